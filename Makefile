@@ -1,0 +1,41 @@
+# `make test` and `make demo` bootstrap .venv from constraints/cpu.txt on first use, then reuse it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONSTRAINTS := constraints/cpu.txt
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test venv sysdeps clean-venv
+
+test: $(STAMP) sysdeps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+# megatron-core is installed on its own: 0.19.2 declares Python >= 3.12, yet its cp311 wheel works on 3.11
+# (see README, platform notes). The stamp is written last, so an interrupted install is redone next time.
+$(STAMP): $(CONSTRAINTS) setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet -c $(CONSTRAINTS) torch
+	$(PIP) install --quiet --no-deps --ignore-requires-python -c $(CONSTRAINTS) megatron-core
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	touch $(STAMP)
+
+# System packages the tests use, installed when we can (root with apt-get); otherwise the tests that need them
+# skip and say why.
+SYSTEM_PACKAGES := bubblewrap
+sysdeps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing system packages:$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null) \
+	      || echo "warning: could not install$$missing; tests that need them will be skipped"; \
+	  else echo "note: missing system packages:$$missing (run as root with apt-get, or install them yourself)"; fi; \
+	fi
+
+clean-venv:
+	rm -rf $(VENV)

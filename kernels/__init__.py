@@ -1,0 +1,5 @@
+"""Triton kernels for the GRPO hot spots, installed as ``spade_mega.kernels`` (never as a top-level ``kernels``).
+
+One op per file, each beside its plain-torch reference. Under the Triton interpreter (``TRITON_INTERPRET=1``, set by the
+test harness when no GPU is present) the kernels run on CPU; that variable must be set before a kernel is defined.
+"""

@@ -1,0 +1,222 @@
+"""The typed configuration schema: one dataclass per section, composed into :class:`SpadeConfig`.
+
+Each section owns its defaults and a ``check()`` for constraints between its own fields; constraints that span
+sections live in :meth:`SpadeConfig.check`. Types are enforced by the loader (``loader.py``) from these annotations,
+so a field's annotation is its contract: ``int``, ``float``, ``bool``, ``str``, ``Optional[...]``, ``list[...]``,
+``dict[str, ...]``, ``Literal[...]`` or a nested section. Later subsystems add their sections here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from spade_mega.config.errors import ConfigError
+
+
+def _require(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(path, message)
+
+
+def _positive(section: str, obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value is None or value > 0, f"{section}.{name}", f"must be > 0, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the policy (Qwen3 / Qwen3-MoE family). ``num_experts: 0`` means a dense model."""
+
+    name: str = "tiny-qwen3-moe"
+    hf_config: Optional[str] = None  # path to a Hugging Face config.json; its values win over the fields below
+    tokenizer: Optional[str] = None  # tokenizer name or folder; None = the run's built-in byte tokenizer
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: int = 16
+    ffn_hidden_size: int = 128
+    num_experts: int = 4
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    moe_aux_loss_coeff: float = 1e-3
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    rotary_base: float = 1_000_000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: bool = True
+    tie_embeddings: bool = False
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def check(self) -> None:
+        _positive("model", self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
+        _require(self.num_experts >= 0, "model.num_experts", f"must be >= 0, got {self.num_experts}")
+        _require(self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
+                 f"must divide model.num_attention_heads ({self.num_attention_heads}), got {self.num_query_groups}")
+        if self.num_experts:
+            _positive("model", self, "moe_router_topk", "moe_ffn_hidden_size")
+            _require(self.moe_router_topk <= self.num_experts, "model.moe_router_topk",
+                     f"must be <= model.num_experts ({self.num_experts}), got {self.moe_router_topk}")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core parallel layout. Data parallel size is whatever the world size leaves over."""
+
+    tensor: int = 1
+    sequence_parallel: bool = False
+    expert: int = 1
+    expert_tensor: Optional[int] = None  # None = same as tensor
+    pipeline: int = 1
+    virtual_pipeline: Optional[int] = None
+    context: int = 1
+    recompute: Literal["none", "selective", "full"] = "none"
+    max_tokens_per_gpu: int = 8192
+
+    def check(self) -> None:
+        _positive("parallel", self, "tensor", "expert", "expert_tensor", "pipeline", "virtual_pipeline",
+                  "context", "max_tokens_per_gpu")
+        _require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
+                 "needs parallel.tensor > 1 (sequence parallel splits activations across tensor-parallel ranks)")
+        _require(self.virtual_pipeline is None or self.pipeline > 1, "parallel.virtual_pipeline",
+                 "needs parallel.pipeline > 1")
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam with Megatron's distributed optimizer; reference SPADE recipe: constant lr 1e-6, no weight decay."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = True  # Megatron DistributedOptimizer (shards optimizer state over data-parallel ranks)
+
+    def check(self) -> None:
+        _positive("optimizer", self, "lr", "adam_eps")
+        _require(0.0 <= self.min_lr <= self.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {self.min_lr}")
+        _require(self.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"optimizer.{name}", f"must be in [0, 1), got {value}")
+        _require(self.clip_grad >= 0, "optimizer.clip_grad", f"must be >= 0 (0 disables clipping), got {self.clip_grad}")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling for both roles. Reference 30B recipe: temperature 0.6 (hint plays 0.3), <= 25 turns."""
+
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    temperature: float = 0.6
+    hint_temperature: float = 0.3
+    top_p: float = 1.0
+    max_response_tokens: int = 8192
+    max_designer_tokens: int = 16384
+    max_context_tokens: int = 32768
+    max_turns: int = 25
+    envs_per_rollout: int = 24
+    agent_trajectories_per_env: int = 16
+    hint_plays_per_env: int = 16
+
+    def check(self) -> None:
+        _positive("rollout", self, "max_response_tokens", "max_designer_tokens", "max_context_tokens",
+                  "max_turns", "envs_per_rollout", "agent_trajectories_per_env")
+        for name in ("temperature", "hint_temperature"):
+            value = getattr(self, name)
+            _require(value >= 0.0, f"rollout.{name}", f"must be >= 0, got {value}")
+        _require(0.0 < self.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.hint_plays_per_env >= 0, "rollout.hint_plays_per_env",
+                 f"must be >= 0, got {self.hint_plays_per_env}")
+        for name in ("max_response_tokens", "max_designer_tokens"):
+            value = getattr(self, name)
+            _require(value <= self.max_context_tokens, f"rollout.{name}",
+                     f"must be <= rollout.max_context_tokens ({self.max_context_tokens}), got {value}")
+
+
+@dataclass
+class SelfPlayConfig:
+    """The SPADE schedule: how many rollouts, how often the designer regenerates, how long its update is delayed."""
+
+    num_rollouts: int = 400
+    regen_interval: int = 4
+    designer_delay: int = 4
+    global_batch_size: int = 192  # samples per optimizer step; one rollout may give several steps
+    num_skills: int = 6
+    active_skills: int = 3
+
+    def check(self) -> None:
+        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size",
+                  "num_skills", "active_skills")
+        _require(self.designer_delay >= 0, "selfplay.designer_delay", f"must be >= 0, got {self.designer_delay}")
+        _require(self.active_skills <= self.num_skills, "selfplay.active_skills",
+                 f"must be <= selfplay.num_skills ({self.num_skills}), got {self.active_skills}")
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and how it is seeded. The run directory is ``output_dir/name``."""
+
+    name: str = "spade"
+    output_dir: str = "runs"
+    seed: int = 1234
+    resume: Literal["auto", "never", "must"] = "auto"
+
+    def check(self) -> None:
+        _require(bool(self.name) and "/" not in self.name, "run.name",
+                 f"must be a non-empty folder name without '/', got {self.name!r}")
+        _require(bool(self.output_dir), "run.output_dir", "must not be empty")
+
+
+@dataclass
+class LoggingConfig:
+    """Metric sinks and console output."""
+
+    jsonl: bool = True
+    tensorboard: bool = True
+    log_interval: int = 1
+    progress: bool = True
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def check(self) -> None:
+        _positive("logging", self, "log_interval")
+
+
+@dataclass
+class SpadeConfig:
+    """The whole run configuration, as resolved from YAML files and command-line overrides."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check(self) -> None:
+        """Check every section, then the constraints that span sections."""
+        for name in self.__dataclass_fields__:
+            getattr(self, name).check()
+        m, p = self.model, self.parallel
+        _require(m.num_attention_heads % p.tensor == 0, "parallel.tensor",
+                 f"must divide model.num_attention_heads ({m.num_attention_heads}), got {p.tensor}")
+        _require(m.num_query_groups % p.tensor == 0, "parallel.tensor",
+                 f"must divide model.num_query_groups ({m.num_query_groups}), got {p.tensor}")
+        _require(m.num_layers % p.pipeline == 0, "parallel.pipeline",
+                 f"must divide model.num_layers ({m.num_layers}), got {p.pipeline}")
+        if p.expert > 1:
+            _require(m.num_experts > 0, "parallel.expert", "needs a mixture-of-experts model (model.num_experts > 0)")
+            _require(m.num_experts % p.expert == 0, "parallel.expert",
+                     f"must divide model.num_experts ({m.num_experts}), got {p.expert}")
+        if m.num_experts and p.tensor > 1:
+            _require(p.sequence_parallel, "parallel.sequence_parallel",
+                     "must be true when a mixture-of-experts model uses parallel.tensor > 1 (Megatron-Core requires it)")
