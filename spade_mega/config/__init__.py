@@ -16,6 +16,8 @@ from spade_mega.config.schema import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RewardsConfig,
+    RLConfig,
     RolloutConfig,
     RunConfig,
     SelfPlayConfig,
@@ -25,5 +27,5 @@ from spade_mega.config.schema import (
 __all__ = [
     "ConfigError", "apply_overrides", "build", "load_config", "load_raw", "prepare_run_dir", "save_resolved",
     "to_dict", "to_yaml", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
-    "RunConfig", "SelfPlayConfig", "SpadeConfig",
+    "RunConfig", "SelfPlayConfig", "SpadeConfig", "RewardsConfig", "RLConfig",
 ]

@@ -150,15 +150,10 @@ class SelfPlayConfig:
     regen_interval: int = 4
     designer_delay: int = 4
     global_batch_size: int = 192  # samples per optimizer step; one rollout may give several steps
-    num_skills: int = 6
-    active_skills: int = 3
 
     def check(self) -> None:
-        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size",
-                  "num_skills", "active_skills")
+        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size")
         _require(self.designer_delay >= 0, "selfplay.designer_delay", f"must be >= 0, got {self.designer_delay}")
-        _require(self.active_skills <= self.num_skills, "selfplay.active_skills",
-                 f"must be <= selfplay.num_skills ({self.num_skills}), got {self.active_skills}")
 
 
 @dataclass
@@ -191,6 +186,186 @@ class LoggingConfig:
 
 
 @dataclass
+class RewardsConfig:
+    """Agent episode reward and the designer reward variant (the paper's ablations); see curriculum/rewards.py.
+
+    Reference (deployed) designer reward: ``blend = 0.6 * plateau(win_rate) + 0.4 * clip(regret / 0.15, 0, 1)``.
+    """
+
+    variant: Literal["blend", "regret", "learning_potential", "micro_lp", "learnability"] = "blend"
+    plateau_weight: float = 0.6
+    regret_weight: float = 0.4
+    regret_scale: float = 0.15  # fixed nominal scale of regret (never a per-batch std)
+    regret_floor: bool = True  # floor normalised regret at 0; when false, a negative blend is masked instead
+    plateau_lo: float = 0.4
+    plateau_hi: float = 0.6
+    plateau_ramp: float = 0.25
+    invalid_program_penalty: float = 0.0
+    step_timeout_penalty: float = -0.5
+    env_reward_scale_cap: float = 50.0
+    ema_fast: float = 0.99  # weight of the newest value in the fast EMA of the learning-potential tracker
+    ema_slow: float = 0.95
+    solve_threshold: float = 0.5  # learnability variant: an episode with return >= this counts as solved
+    agent_reward_min: float = -1.0
+    agent_reward_max: float = 1.0
+    truncated_episode: Literal["zero", "return"] = "zero"  # reward of an episode cut by the turn budget
+
+    def check(self) -> None:
+        for name in ("plateau_weight", "regret_weight"):
+            value = getattr(self, name)
+            _require(value >= 0.0, f"rewards.{name}", f"must be >= 0, got {value}")
+        _positive("rewards", self, "regret_scale", "plateau_ramp", "env_reward_scale_cap")
+        _require(0.0 <= self.plateau_lo <= self.plateau_hi <= 1.0, "rewards.plateau_lo",
+                 f"needs 0 <= rewards.plateau_lo <= rewards.plateau_hi <= 1, got {self.plateau_lo}, {self.plateau_hi}")
+        for name in ("invalid_program_penalty", "step_timeout_penalty"):
+            value = getattr(self, name)
+            _require(-1.0 <= value <= 0.0, f"rewards.{name}", f"must be a bounded penalty in [-1, 0], got {value}")
+        _require(0.0 < self.ema_slow < self.ema_fast < 1.0, "rewards.ema_fast",
+                 f"needs 0 < rewards.ema_slow < rewards.ema_fast < 1, got {self.ema_slow}, {self.ema_fast}")
+        _require(self.agent_reward_min < self.agent_reward_max, "rewards.agent_reward_max",
+                 f"must be > rewards.agent_reward_min ({self.agent_reward_min}), got {self.agent_reward_max}")
+
+
+@dataclass
+class RLConfig:
+    """GRPO for both roles: advantages, PPO-clip loss, truncated importance sampling; see rl/. Reference: KL 0, entropy 0."""
+
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    tis_level: Literal["token", "sequence"] = "token"
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    adv_std_normalize: bool = True  # agent advantages only; designer advantages are never divided by a std
+    adv_eps: float = 1e-6
+
+    def check(self) -> None:
+        _require(0.0 < self.eps_clip_low < 1.0, "rl.eps_clip_low", f"must be in (0, 1), got {self.eps_clip_low}")
+        _positive("rl", self, "eps_clip_high", "tis_clip", "adv_eps")
+        _require(0.0 <= self.tis_clip_low <= 1.0 <= self.tis_clip, "rl.tis_clip_low",
+                 f"needs 0 <= rl.tis_clip_low <= 1 <= rl.tis_clip, got {self.tis_clip_low}, {self.tis_clip}")
+        for name in ("kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            _require(value >= 0.0, f"rl.{name}", f"must be >= 0, got {value}")
+
+
+@dataclass
+class CorpusSourceConfig:
+    """One corpus source. ``path``: a JSONL or Parquet file, a ``save_to_disk`` dataset folder, a folder of text
+    files, or ``builtin:maths|science|code`` (the offline default corpus). Field names may be dotted (``meta.id``)."""
+
+    path: str = "builtin:maths"
+    format: Literal["auto", "jsonl", "parquet", "hf_disk", "text", "builtin"] = "auto"
+    domain: str = "maths"  # label of every document, unless domain_field names a per-record label
+    text_field: str = "text"
+    id_field: Optional[str] = None  # None = the record's position in the source
+    domain_field: Optional[str] = None
+    split: Optional[str] = None  # DatasetDict folders: one split (None = all)
+
+    def check(self, path: str = "curriculum.corpus.sources") -> None:
+        _require(bool(self.path), f"{path}.path", "must not be empty")
+        _require(bool(self.domain), f"{path}.domain", "must not be empty")
+        _require(bool(self.text_field), f"{path}.text_field", "must not be empty")
+
+
+def _builtin_sources() -> list[CorpusSourceConfig]:
+    return [CorpusSourceConfig(path=f"builtin:{d}", domain=d) for d in ("maths", "science", "code")]
+
+
+@dataclass
+class CorpusConfig:
+    """Grounding documents for designer prompts (reference: 10k maths + 5k science, or 15k code; ~6000 tokens)."""
+
+    sources: list[CorpusSourceConfig] = field(default_factory=_builtin_sources)
+    token_budget: int = 6000  # tokens of the run's tokenizer (model.tokenizer) per document
+    min_chars: int = 200  # shorter documents are skipped
+    dedup: bool = True  # drop exact and near duplicates at load time
+    near_duplicate_threshold: float = 0.8  # estimated Jaccard of word 5-gram sets
+
+    def check(self) -> None:
+        _require(bool(self.sources), "curriculum.corpus.sources", "needs at least one source")
+        for i, source in enumerate(self.sources):
+            source.check(f"curriculum.corpus.sources[{i}]")
+        _positive("curriculum.corpus", self, "token_budget")
+        _require(self.min_chars >= 0, "curriculum.corpus.min_chars", f"must be >= 0, got {self.min_chars}")
+        _require(0.0 < self.near_duplicate_threshold <= 1.0, "curriculum.corpus.near_duplicate_threshold",
+                 f"must be in (0, 1], got {self.near_duplicate_threshold}")
+
+
+@dataclass
+class MemoryConfig:
+    """The environment memory (SQLite, WAL): every environment ever proposed; prompts see a recent window of it."""
+
+    path: str = "memory.sqlite"  # relative to the run directory
+    prompt_window: int = 200  # seeds and negatives are drawn from this many most recently played environments
+    seeds_per_prompt: int = 2  # high-regret environments shown in full as few-shot seeds
+    negatives_per_prompt: int = 4  # mastered / unsolvable environments summarised as "do not repeat"
+    near_duplicate_threshold: float = 0.9  # program similarity (normalised-AST token 5-grams) that counts as a copy
+    synchronous: Literal["normal", "full"] = "full"  # full: a commit survives power loss too, not just a crash
+
+    def check(self) -> None:
+        _require(bool(self.path), "curriculum.memory.path", "must not be empty")
+        _positive("curriculum.memory", self, "prompt_window")
+        for name in ("seeds_per_prompt", "negatives_per_prompt"):
+            value = getattr(self, name)
+            _require(value >= 0, f"curriculum.memory.{name}", f"must be >= 0, got {value}")
+        _require(0.0 < self.near_duplicate_threshold <= 1.0, "curriculum.memory.near_duplicate_threshold",
+                 f"must be in (0, 1], got {self.near_duplicate_threshold}")
+
+
+@dataclass
+class SkillConfig:
+    """A skill the designer writes environments for; ``domains`` are the corpus domains grounding it (empty = all)."""
+
+    name: str = ""
+    description: str = ""
+    domains: list[str] = field(default_factory=list)
+
+
+def _default_skills() -> list[SkillConfig]:
+    return [
+        SkillConfig("arithmetic", "arithmetic and algebra: compute, solve equations, manipulate numbers", ["maths"]),
+        SkillConfig("logic", "logic deduction: constraints, truth tellers, orderings, inference puzzles", ["maths"]),
+        SkillConfig("navigation", "spatial and grid navigation: mazes, maps, moving pieces on a board",
+                    ["maths", "science"]),
+        SkillConfig("science", "science simulation: physical, chemical or biological systems stepped in time",
+                    ["science"]),
+        SkillConfig("code_tracing", "algorithm and code tracing: predict what a procedure does or returns",
+                    ["code"]),
+        SkillConfig("tool_use", "stateful tool use with mock APIs: call functions with arguments to reach a goal",
+                    ["code"]),
+    ]
+
+
+@dataclass
+class CurriculumConfig:
+    """What keeps the designer diverse: corpus grounding, environment memory, skills (reference: 6, 3 active)."""
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    skills: list[SkillConfig] = field(default_factory=_default_skills)
+    active_skills: int = 3  # skills chosen round-robin for each regeneration
+
+    def check(self) -> None:
+        self.corpus.check()
+        self.memory.check()
+        _require(bool(self.skills), "curriculum.skills", "needs at least one skill")
+        seen: set[str] = set()
+        for i, skill in enumerate(self.skills):
+            where = f"curriculum.skills[{i}]"
+            _require(skill.name.isidentifier() and skill.name == skill.name.lower(), f"{where}.name",
+                     f"must be a lower-case identifier (letters, digits, _), got {skill.name!r}")
+            _require(skill.name not in seen, f"{where}.name", f"duplicate skill {skill.name!r}")
+            _require(bool(skill.description.strip()), f"{where}.description", "must describe the skill")
+            seen.add(skill.name)
+        _require(1 <= self.active_skills <= len(self.skills), "curriculum.active_skills",
+                 f"must be in [1, number of curriculum.skills ({len(self.skills)})], got {self.active_skills}")
+
+
+@dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
 
@@ -201,6 +376,9 @@ class SpadeConfig:
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def check(self) -> None:
         """Check every section, then the constraints that span sections."""
@@ -220,3 +398,11 @@ class SpadeConfig:
         if m.num_experts and p.tensor > 1:
             _require(p.sequence_parallel, "parallel.sequence_parallel",
                      "must be true when a mixture-of-experts model uses parallel.tensor > 1 (Megatron-Core requires it)")
+        r = self.rewards
+        if r.variant == "regret" or (r.variant == "blend" and r.regret_weight > 0):
+            _require(self.rollout.hint_plays_per_env > 0, "rollout.hint_plays_per_env",
+                     f"must be > 0: rewards.variant {r.variant!r} measures regret with hint plays")
+        if r.variant == "micro_lp":
+            _require(self.selfplay.designer_delay >= 2, "selfplay.designer_delay",
+                     "must be >= 2 for rewards.variant 'micro_lp' (a slope needs plays at two steps or more), "
+                     f"got {self.selfplay.designer_delay}")

@@ -1,0 +1,1 @@
+"""The curriculum: corpus grounding, environment memory, skills, designer prompts, rewards."""

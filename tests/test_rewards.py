@@ -1,0 +1,223 @@
+"""SPADE reward formulas against hand-computed values, and the rewards/rl config sections."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spade_mega.config import ConfigError, load_config
+from spade_mega.config.schema import RewardsConfig
+from spade_mega.curriculum.rewards import (
+    LearningPotentialTracker,
+    SkillTrackers,
+    StateError,
+    blend,
+    designer_reward,
+    env_reward_scale,
+    episode_reward,
+    learnability,
+    micro_learning_potential,
+    normalized_regret,
+    plateau,
+    wls_slope,
+)
+from spade_mega.errors import SpadeError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CFG = RewardsConfig()
+
+
+@pytest.mark.parametrize("win_rate, expected", [
+    (0.0, 0.0), (0.1, 0.0), (0.15, 0.0), (0.2, 0.2), (0.3, 0.6), (0.4, 1.0), (0.5, 1.0), (0.6, 1.0),
+    (0.7, 0.6), (0.8, 0.2), (0.85, 0.0), (1.0, 0.0),
+])
+def test_plateau_edges_and_ramps(win_rate: float, expected: float) -> None:
+    assert plateau(win_rate, 0.4, 0.6, 0.25) == pytest.approx(expected, abs=1e-12)
+
+
+def test_plateau_is_one_exactly_on_both_edges() -> None:
+    assert plateau(0.4, 0.4, 0.6, 0.25) == 1.0 and plateau(0.6, 0.4, 0.6, 0.25) == 1.0
+    assert plateau(0.39, 0.4, 0.6, 0.25) < 1.0 and plateau(0.61, 0.4, 0.6, 0.25) < 1.0
+
+
+@pytest.mark.parametrize("regret, floor, expected", [
+    (0.075, True, 0.5), (0.15, True, 1.0), (0.3, True, 1.0), (0.0, True, 0.0), (-0.1, True, 0.0),
+    (-0.15, False, -1.0), (0.3, False, 1.0),
+])
+def test_normalized_regret_cap_and_floor(regret: float, floor: bool, expected: float) -> None:
+    assert normalized_regret(regret, 0.15, floor) == pytest.approx(expected)
+
+
+def test_blend_weights_and_nominal_scale() -> None:
+    assert blend(0.5, 0.075, CFG) == pytest.approx(0.6 * 1.0 + 0.4 * 0.5)
+    assert blend(0.3, 0.3, CFG) == pytest.approx(0.6 * 0.6 + 0.4 * 1.0)
+    assert blend(0.9, -0.4, CFG) == 0.0  # mastered and the hint hurts: floored, not negative
+    other = replace(CFG, plateau_weight=0.2, regret_weight=0.8, regret_scale=0.3)
+    assert blend(0.5, 0.075, other) == pytest.approx(0.2 + 0.8 * 0.25)
+
+
+def test_designer_reward_blend_uses_matched_timing_regret_and_window_win_rate() -> None:
+    # offset 0: no-hint mean 0.5, hint mean 0.75 -> regret 0.25 -> normalised 1 (capped)
+    # window win rate 5/8 = 0.625 -> plateau 1 - 0.025 / 0.25 = 0.9 -> blend 0.6 * 0.9 + 0.4 * 1 = 0.94
+    r = designer_reward(CFG, {0: [1, 0, 0, 1], 1: [1, 1, 0, 1]}, [1, 1, 1, 0])
+    assert not r.masked
+    assert r.value == pytest.approx(0.94)
+    assert r.components["regret"] == pytest.approx(0.25) and r.components["win_rate"] == pytest.approx(0.625)
+    # later plays never change the regret (they do change the win rate)
+    later = designer_reward(CFG, {0: [1, 0, 0, 1], 1: [1, 1, 1, 1]}, [1, 1, 1, 0])
+    assert later.components["regret"] == pytest.approx(0.25)
+
+
+def test_negative_regret_is_floored_or_the_negative_blend_is_masked() -> None:
+    plays, hints = {0: [0.0, 0.0]}, [-0.3, -0.3]  # win rate 0 -> plateau 0; regret -0.3
+    floored = designer_reward(CFG, plays, hints)
+    assert floored.value == 0.0 and not floored.masked
+    unfloored = designer_reward(replace(CFG, regret_floor=False), plays, hints)
+    assert unfloored.mask_reason == "negative" and unfloored.value == pytest.approx(0.4 * -2.0)
+    plain = designer_reward(replace(CFG, variant="regret"), plays, hints)
+    assert plain.value == 0.0 and not plain.masked
+    plain_pos = designer_reward(replace(CFG, variant="regret"), {0: [0.0, 1.0]}, [1.0, 1.0])
+    assert plain_pos.value == pytest.approx(0.5)  # plain regret is not divided by the nominal scale
+
+
+def test_failures_earn_their_bounded_penalty_and_are_never_masked() -> None:
+    timeout = designer_reward(CFG, {}, failure="step_timeout")
+    assert timeout.value == -0.5 and not timeout.masked
+    assert designer_reward(CFG, {0: [1.0]}, [1.0], failure="invalid_program").value == 0.0
+    assert designer_reward(replace(CFG, invalid_program_penalty=-0.2), {}, failure="invalid_program").value == -0.2
+    with pytest.raises(ValueError, match="failure must be one of"):
+        designer_reward(CFG, {}, failure="crashed")  # type: ignore[arg-type]
+
+
+def test_missing_plays_mask_the_sample_instead_of_inventing_a_reward() -> None:
+    assert designer_reward(CFG, {}, [1.0]).mask_reason == "no_plays"
+    assert designer_reward(CFG, {1: [1.0]}, [1.0]).mask_reason == "no_plays"  # nothing at the regeneration step
+    assert designer_reward(CFG, {0: [1.0]}, []).mask_reason == "no_plays"  # no hint plays
+    with pytest.raises(ValueError, match="finite"):
+        designer_reward(CFG, {0: [float("nan")]}, [1.0])
+
+
+def test_env_reward_scale_and_its_cap() -> None:
+    assert env_reward_scale(96, 24, 4, 50.0) == 16.0
+    assert env_reward_scale(384, 24, 4, 50.0) == 50.0  # 64 capped at 50
+    assert env_reward_scale(16 * 24, 24, 4, 100.0) == 64.0
+    with pytest.raises(ValueError, match="n_designer > 0"):
+        env_reward_scale(10, 0, 4, 50.0)
+
+
+def test_wls_slope_against_hand_value_and_numpy() -> None:
+    # x_bar = 1.25, y_bar = 0.375, Sxx = 2.75, Sxy = 0.625 -> slope 5/22
+    assert wls_slope([0, 1, 2], [0, 0.5, 0.5], [1, 1, 2]) == pytest.approx(5 / 22)
+    xs, ys, ws = [0.0, 1.0, 3.0, 4.0], [0.1, 0.3, 0.2, 0.9], [3.0, 1.0, 2.0, 5.0]
+    # np.polyfit weights residuals (not squared residuals), so sqrt(w) gives the same WLS fit
+    assert wls_slope(xs, ys, ws) == pytest.approx(np.polyfit(xs, ys, 1, w=np.sqrt(ws))[0])
+    assert wls_slope([2, 2], [0.0, 1.0], [1, 1]) == 0.0  # one distinct x: no slope
+    with pytest.raises(ValueError, match="differ in length"):
+        wls_slope([0, 1], [0.0], [1, 1])
+
+
+def test_micro_learning_potential_is_fitted_end_minus_start() -> None:
+    # ys [0, .5, 1] at xs [0, 1, 3], weights = plays [2, 2, 4]: slope 4.25 / 13.5, span 3 -> 17/18
+    assert micro_learning_potential({0: [0, 0], 1: [1, 0], 3: [1, 1, 1, 1]}) == pytest.approx(17 / 18)
+    assert micro_learning_potential({0: [1, 1], 1: [0, 0]}) == pytest.approx(-1.0)
+    assert micro_learning_potential({0: [1, 0]}) == 0.0
+    cfg = replace(CFG, variant="micro_lp")
+    assert designer_reward(cfg, {0: [0, 0], 1: [1, 0], 3: [1, 1, 1, 1]}).value == pytest.approx(17 / 18)
+    assert designer_reward(cfg, {0: [1, 1], 1: [0, 0]}).value == 0.0  # got worse: floored
+
+
+def test_learnability_variant() -> None:
+    assert (learnability(0.0), learnability(1.0), learnability(0.25)) == (0.0, 0.0, 0.75)
+    cfg = replace(CFG, variant="learnability", solve_threshold=0.5)
+    r = designer_reward(cfg, {0: [1.0, 0.4], 1: [0.6, 0.0]})  # solved: 1.0 and 0.6 -> rate 0.5
+    assert r.components["solve_rate"] == 0.5 and r.value == 0.5
+    assert designer_reward(cfg, {0: [1.0, 1.0]}).value == 0.0
+
+
+def test_learning_potential_tracker_by_hand() -> None:
+    t = LearningPotentialTracker(0.99, 0.95)
+    assert t.potential == 0.0 and t.baseline is None
+    assert t.update(0.0) == 0.0 and (t.mu_fast, t.mu_slow) == (0.0, 0.0)
+    assert t.update(1.0) == pytest.approx(0.04 / 0.08)  # mu_fast 0.99, mu_slow 0.95
+    assert t.baseline == pytest.approx(0.95)
+    assert t.update(1.0) == pytest.approx((0.9999 - 0.9975) / 0.08)
+    t2 = LearningPotentialTracker(0.99, 0.95)
+    for v in (0.0, 1.0):
+        t2.update(v)
+    t2.update(0.0)  # falling: signed potential negative, potential its magnitude
+    assert t2.signed_potential < 0 and t2.potential == pytest.approx(-t2.signed_potential)
+
+
+def test_learning_potential_variant_pays_distance_from_skill_baseline() -> None:
+    cfg = replace(CFG, variant="learning_potential")
+    assert designer_reward(cfg, {0: [1, 0], 1: [1, 0]}, skill_baseline=0.95).value == pytest.approx(0.45)
+    with pytest.raises(ValueError, match="baseline"):
+        designer_reward(cfg, {0: [1.0]})
+
+
+def test_skill_trackers_state_round_trip_and_bad_state() -> None:
+    trackers = SkillTrackers.from_config(CFG)
+    for v in (0.1, 0.7, 0.3):
+        trackers.update("logic", v)
+    trackers.update("maths", 0.5)
+    restored = SkillTrackers.from_config(CFG)
+    restored.load_state_dict(json.loads(json.dumps(trackers.state_dict())))
+    assert restored == trackers
+    assert restored.baseline("nothing") is None and restored.potential("nothing") == 0.0
+    with pytest.raises(StateError, match="malformed") as info:
+        restored.load_state_dict({"skills": {"logic": {"mu_fast": 1.0}}})
+    assert isinstance(info.value, SpadeError)
+    assert restored == trackers  # unchanged
+
+
+def test_episode_reward() -> None:
+    assert episode_reward([0.0, 0.0, 1.0], True, CFG) == 1.0
+    assert episode_reward([0.5, 0.25], True, CFG) == 0.75
+    assert episode_reward([1.0, 1.0, 1.0], True, CFG) == 1.0  # clipped to agent_reward_max
+    assert episode_reward([-1.0, -1.0], True, CFG) == -1.0
+    assert episode_reward([0.5, 0.25], False, CFG) == 0.0  # ran out of turns
+    assert episode_reward([0.5, 0.25], False, replace(CFG, truncated_episode="return")) == 0.75
+    with pytest.raises(ValueError, match="finite"):
+        episode_reward([float("inf")], True, CFG)
+
+
+def test_reference_recipe_rewards_and_rl_values() -> None:
+    cfg = load_config(EXAMPLES / "qwen3_30b_a3b_games.yaml")
+    r, rl = cfg.rewards, cfg.rl
+    assert (r.variant, r.plateau_weight, r.regret_weight, r.regret_scale) == ("blend", 0.6, 0.4, 0.15)
+    assert (r.plateau_lo, r.plateau_hi, r.plateau_ramp, r.step_timeout_penalty) == (0.4, 0.6, 0.25, -0.5)
+    assert (r.env_reward_scale_cap, r.ema_fast, r.ema_slow) == (50.0, 0.99, 0.95)
+    assert (rl.eps_clip_low, rl.eps_clip_high, rl.tis_clip, rl.tis_clip_low) == (0.2, 0.28, 2.0, 0.0)
+    assert (rl.kl_coef, rl.entropy_coef) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("override, path", [
+    ("rewards.step_timeout_penalty=-5", "rewards.step_timeout_penalty"),
+    ("rewards.invalid_program_penalty=0.5", "rewards.invalid_program_penalty"),
+    ("rewards.ema_slow=0.995", "rewards.ema_fast"),
+    ("rewards.plateau_lo=0.7", "rewards.plateau_lo"),
+    ("rewards.regret_scale=0", "rewards.regret_scale"),
+    ("rewards.variant=blnd", "rewards.variant"),
+    ("rl.tis_clip=0.5", "rl.tis_clip_low"),
+    ("rl.eps_clip_low=1.5", "rl.eps_clip_low"),
+    ("rl.loss_aggregation=seq-mean", "rl.loss_aggregation"),
+    ("rl.kl_coef=-1", "rl.kl_coef"),
+])
+def test_bad_reward_and_rl_config_names_the_key(override: str, path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert info.value.path == path
+
+
+def test_cross_section_checks() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rewards.variant=micro_lp", "selfplay.designer_delay=1"])
+    assert info.value.path == "selfplay.designer_delay"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.hint_plays_per_env=0"])
+    assert info.value.path == "rollout.hint_plays_per_env"
+    load_config(None, ["rollout.hint_plays_per_env=0", "rewards.regret_weight=0"])  # plateau alone needs no hints
