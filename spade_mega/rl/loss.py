@@ -1,0 +1,208 @@
+"""The GRPO policy loss for both roles: PPO-clip with asymmetric epsilon, truncated importance sampling, optional
+KL to a reference policy and entropy bonus. Plain torch; the Triton kernel behind ``kernels.enabled`` must match it.
+
+Log-probabilities, per token:
+
+- ``logprobs``: the policy being trained (carries the gradient).
+- ``old_logprobs``: the training engine's policy before this update (the PPO anchor).
+- ``rollout_logprobs``: the behaviour policy that sampled the tokens, as the inference engine reported it. For agent
+  samples it differs from ``old_logprobs`` only by the train/inference engine mismatch; for delayed designer samples
+  it is the policy of ``designer_delay`` steps ago. Either way the truncated IS weight
+  ``clamp(exp(old_logprobs - rollout_logprobs), tis_clip_low, tis_clip)`` corrects for it, per token or per sequence
+  (``rl.tis_level``), with no gradient through it.
+
+Layouts: every tensor is [batch, tokens] (row = sample), or packed 1-D [tokens] with ``sample_ids`` [tokens] naming
+each token's sample (needed by sequence-level TIS and the sequence-mean aggregations). A sample's tokens must all be in
+the same call (no context-parallel split of one sequence).
+
+Micro-batches and data parallelism: the loss is ``sum_t weight_t * loss_t`` over masked tokens, where the weight
+carries the normaliser. Pass ``normalizer`` = the *global* count over the whole global batch (all micro-batches, all
+data-parallel ranks) and the returned losses are shares that sum to the global loss, so summed gradients equal the
+full-batch gradient. The count is loss-mask tokens for ``token-mean`` and samples with at least one loss token for the
+``seq-mean-*`` modes; :func:`loss_normalizer` gives one call's count, to be summed (all-reduced) over the global batch.
+If the data-parallel gradient reduction *averages* (Megatron's default), multiply the loss by the data-parallel size.
+Without ``normalizer`` the call's own count is used (the loss of one self-contained batch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from spade_mega.config.schema import RLConfig
+
+LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: a larger log-ratio is a broken token; clamping keeps exp and its grad finite
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def _flatten(loss_mask: torch.Tensor, sample_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-token sample index (compacted to 0..S-1) for either layout."""
+    if loss_mask.dim() == 2:
+        if sample_ids is not None:
+            raise ValueError("sample_ids is only for packed (1-D) inputs; [batch, tokens] rows are the samples")
+        b, t = loss_mask.shape
+        return torch.arange(b, device=loss_mask.device).repeat_interleave(t)
+    if loss_mask.dim() != 1:
+        raise ValueError(f"inputs must be [batch, tokens] or packed [tokens], got shape {tuple(loss_mask.shape)}")
+    if sample_ids is None:
+        return torch.zeros(loss_mask.shape[0], dtype=torch.long, device=loss_mask.device)
+    if sample_ids.shape != loss_mask.shape:
+        raise ValueError(f"sample_ids must have shape {tuple(loss_mask.shape)}, got {tuple(sample_ids.shape)}")
+    return torch.unique(sample_ids, return_inverse=True)[1]
+
+
+def _segment_sum(values: torch.Tensor, seg: torch.Tensor, num: int) -> torch.Tensor:
+    return values.new_zeros(num).index_add(0, seg, values)
+
+
+def loss_normalizer(loss_mask: torch.Tensor, aggregation: str, sample_ids: Optional[torch.Tensor] = None) -> int:
+    """This call's share of the normaliser: loss tokens (token-mean) or samples with a loss token (seq-mean-*)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    mask = loss_mask.bool()
+    if aggregation == "token-mean":
+        return int(mask.sum())
+    if mask.dim() == 1 and sample_ids is None:
+        raise ValueError(f"packed inputs need sample_ids for {aggregation!r}")
+    seg = _flatten(mask, sample_ids)
+    num = int(seg.max()) + 1 if seg.numel() else 0
+    return int((_segment_sum(mask.flatten().double(), seg, num) > 0).sum())
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: RLConfig,
+    *,
+    sample_ids: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated IS weights ``clamp(exp(old - rollout), tis_clip_low, tis_clip)`` per token, and the raw ratios.
+
+    With ``cfg.tis_level == "sequence"`` the log-ratio is summed over each sample's loss tokens and every token of the
+    sample carries the sample's weight. Both results are flat [tokens], detached, 0 on tokens outside the mask; the
+    raw ratio (for metrics) is capped at exp(50) so it stays finite in float32. The weight never exceeds ``tis_clip``.
+    """
+    if old_logprobs.shape != rollout_logprobs.shape or old_logprobs.shape != loss_mask.shape:
+        raise ValueError(f"old_logprobs {tuple(old_logprobs.shape)}, rollout_logprobs {tuple(rollout_logprobs.shape)} "
+                         f"and loss_mask {tuple(loss_mask.shape)} must have one shape")
+    if loss_mask.dim() == 1 and sample_ids is None and cfg.tis_level == "sequence":
+        raise ValueError("packed inputs need sample_ids for sequence-level TIS")
+    dtype = torch.float64 if old_logprobs.dtype == torch.float64 else torch.float32
+    mask = loss_mask.bool().flatten()
+    zero = torch.zeros((), dtype=dtype, device=old_logprobs.device)
+    log_w = torch.where(mask, old_logprobs.detach().flatten().to(dtype) - rollout_logprobs.detach().flatten().to(dtype),
+                        zero)
+    if cfg.tis_level == "sequence":
+        seg = _flatten(loss_mask, sample_ids)
+        log_w = _segment_sum(log_w, seg, int(seg.max()) + 1 if seg.numel() else 0)[seg]
+    raw = torch.exp(log_w.clamp(max=50.0))
+    weight = torch.exp(log_w.clamp(max=math.log(cfg.tis_clip))).clamp(cfg.tis_clip_low, cfg.tis_clip)
+    return torch.where(mask, weight, zero), torch.where(mask, raw, zero)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: RLConfig,
+    *,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    sample_ids: Optional[torch.Tensor] = None,
+    normalizer: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of one (micro-)batch and its metrics.
+
+    All tensors share one shape ([batch, tokens] or packed [tokens]); ``advantages`` are per token (see
+    :func:`spade_mega.rl.advantages.token_advantages`). ``entropy`` is the per-token entropy of the current policy,
+    with its graph, needed when ``cfg.entropy_coef > 0``; ``ref_logprobs`` are needed when ``cfg.kl_coef > 0``.
+    Tokens outside ``loss_mask`` get exactly zero gradient, whatever their values (padding may hold -inf or NaN).
+
+    Metrics (detached 0-d tensors, means over this call's loss tokens; combine calls weighted by ``num_tokens``, and
+    ``tis_ratio_max`` by max): ``pg_loss``, ``clip_frac`` (tokens whose clipped branch was taken), ``approx_kl``
+    (k3 estimate of KL(old || current)), with rollout_logprobs ``tis_ratio_mean``/``tis_ratio_max`` (untruncated IS
+    ratio) and ``tis_truncated_frac``, with ref_logprobs ``kl_ref``, with entropy ``entropy``.
+    """
+    if cfg.loss_aggregation not in AGGREGATIONS:
+        raise ValueError(f"rl.loss_aggregation must be one of {AGGREGATIONS}, got {cfg.loss_aggregation!r}")
+    shape = logprobs.shape
+    named = {"old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask,
+             "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs, "entropy": entropy}
+    for name, t in named.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logprobs")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("rl.kl_coef > 0 needs ref_logprobs (log-probs of the reference policy)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("rl.entropy_coef > 0 needs the per-token entropy of the current policy")
+    needs_segments = cfg.loss_aggregation != "token-mean" or (rollout_logprobs is not None and cfg.tis_level == "sequence")
+    if logprobs.dim() == 1 and sample_ids is None and needs_segments:
+        raise ValueError(f"packed inputs need sample_ids for loss_aggregation {cfg.loss_aggregation!r} "
+                         f"or sequence-level TIS")
+
+    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
+    mask = loss_mask.bool().flatten()
+    seg = _flatten(loss_mask, sample_ids)
+    num_seg = int(seg.max()) + 1 if seg.numel() else 0
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+
+    def clean(t: torch.Tensor, keep_grad: bool = False) -> torch.Tensor:
+        """Masked positions replaced by 0 *before* any arithmetic, so garbage there cannot reach a gradient."""
+        t = t.flatten().to(dtype)
+        return torch.where(mask, t if keep_grad else t.detach(), zero)
+
+    lp, old, adv = clean(logprobs, True), clean(old_logprobs), clean(advantages)
+    log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if rollout_logprobs is not None:
+        weight, raw = truncated_is_weights(old_logprobs, rollout_logprobs, loss_mask, cfg, sample_ids=sample_ids)
+        pg = pg * weight
+        metrics["tis_ratio_mean"] = raw[mask].mean() if mask.any() else zero
+        metrics["tis_ratio_max"] = raw[mask].max() if mask.any() else zero
+        metrics["tis_truncated_frac"] = ((raw > cfg.tis_clip) | (raw < cfg.tis_clip_low))[mask].to(dtype).mean() \
+            if mask.any() else zero
+
+    per_token = pg
+    if ref_logprobs is not None:
+        ref = clean(ref_logprobs)
+        if cfg.kl_estimator == "k1":
+            kl = lp - ref
+        else:
+            ref_log_ratio = (ref - lp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+            kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+        metrics["kl_ref"] = kl.detach()[mask].mean() if mask.any() else zero
+    if entropy is not None:
+        ent = clean(entropy, True)
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * ent
+        metrics["entropy"] = ent.detach()[mask].mean() if mask.any() else zero
+
+    norm = float(normalizer) if normalizer is not None else float(
+        loss_normalizer(loss_mask, cfg.loss_aggregation, sample_ids))
+    if cfg.loss_aggregation == "seq-mean-token-mean":
+        tokens_per_seg = _segment_sum(mask.to(dtype), seg, num_seg)
+        weight_t = 1.0 / (tokens_per_seg[seg].clamp(min=1.0) * max(norm, 1.0))
+    else:
+        weight_t = torch.full_like(per_token, 1.0 / max(norm, 1.0))
+    loss = torch.where(mask, per_token * weight_t, zero).sum()
+
+    with torch.no_grad():
+        n = mask.sum()
+        denom = n.clamp(min=1).to(dtype)
+        metrics["pg_loss"] = torch.where(mask, pg, zero).sum() / denom
+        metrics["clip_frac"] = (mask & (pg_clipped > pg_unclipped)).sum().to(dtype) / denom
+        metrics["approx_kl"] = torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum() / denom
+        metrics["num_tokens"] = n.to(dtype)
+    return loss, metrics
