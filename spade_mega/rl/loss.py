@@ -20,7 +20,9 @@ carries the normaliser. Pass ``normalizer`` = the *global* count over the whole 
 data-parallel ranks) and the returned losses are shares that sum to the global loss, so summed gradients equal the
 full-batch gradient. The count is loss-mask tokens for ``token-mean`` and samples with at least one loss token for the
 ``seq-mean-*`` modes; :func:`loss_normalizer` gives one call's count, to be summed (all-reduced) over the global batch.
-If the data-parallel gradient reduction *averages* (Megatron's default), multiply the loss by the data-parallel size.
+A framework that rescales the loss must have that undone: Megatron-Core's schedule divides each micro-batch loss by
+the number of micro-batches (unless ``calculate_per_token_loss``) and its data-parallel reduction averages gradients,
+so multiply the returned loss by ``num_microbatches * data_parallel_size`` there.
 Without ``normalizer`` the call's own count is used (the loss of one self-contained batch).
 """
 
@@ -140,10 +142,11 @@ def policy_loss(
         raise ValueError("rl.kl_coef > 0 needs ref_logprobs (log-probs of the reference policy)")
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError("rl.entropy_coef > 0 needs the per-token entropy of the current policy")
-    needs_segments = cfg.loss_aggregation != "token-mean" or (rollout_logprobs is not None and cfg.tis_level == "sequence")
+    needs_segments = (cfg.loss_aggregation != "token-mean"
+                      or (rollout_logprobs is not None and cfg.tis_level == "sequence"))
     if logprobs.dim() == 1 and sample_ids is None and needs_segments:
         raise ValueError(f"packed inputs need sample_ids for loss_aggregation {cfg.loss_aggregation!r} "
-                         f"or sequence-level TIS")
+                         "or sequence-level TIS")
 
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     mask = loss_mask.bool().flatten()
