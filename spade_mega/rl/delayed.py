@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from spade_mega.config.schema import RewardsConfig
-from spade_mega.curriculum.rewards import FAILURES, DesignerReward, SkillTrackers, StateError, designer_reward
+from spade_mega.curriculum.rewards import (
+    FAILURES,
+    DesignerReward,
+    Failure,
+    SkillTrackers,
+    StateError,
+    designer_reward,
+)
 
 STATE_FORMAT = "spade-mega.delayed-designer-buffer"
 STATE_VERSION = 1
@@ -45,7 +52,7 @@ class DesignerSample:
     token_ids: list[int]
     loss_mask: list[int]
     behaviour_logprobs: list[float]
-    failure: Optional[str] = None
+    failure: Optional[Failure] = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -128,7 +135,7 @@ class DelayedDesignerBuffer:
             raise ValueError(f"returns of environment {env_id!r} at step {step} must be finite, got {values}")
         self._plays[env_id]["hint" if hinted else "agent"].setdefault(int(step), []).extend(values)
 
-    def mark_failed(self, env_id: str, failure: str) -> None:
+    def mark_failed(self, env_id: str, failure: Failure) -> None:
         """Give every waiting sample of ``env_id`` the penalty of ``failure`` (e.g. its ``step()`` timed out)."""
         if failure not in FAILURES:
             raise ValueError(f"failure must be one of {FAILURES}, got {failure!r}")
@@ -160,7 +167,7 @@ class DelayedDesignerBuffer:
                 raise ValueError("rewards.variant 'learning_potential' needs the SkillTrackers passed to release()")
             baseline = trackers.baseline(sample.skill)
         return designer_reward(self.cfg, agent, plays["hint"].get(sample.step, []),
-                               skill_baseline=baseline, failure=sample.failure)  # type: ignore[arg-type]
+                               skill_baseline=baseline, failure=sample.failure)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume, as JSON/msgpack-ready data (lists, dicts with str keys, ints, floats)."""
