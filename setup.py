@@ -30,6 +30,7 @@ setup(
         "matplotlib",
         "rich",
         "nvidia-ml-py",
+        "pyarrow",  # corpus loading: Parquet and Hugging Face datasets saved to disk
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis"],

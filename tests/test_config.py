@@ -130,7 +130,7 @@ def test_literal_suggests_close_choice() -> None:
     (["optimizer.adam_beta2=1.0"], "optimizer.adam_beta2"),
     (["rollout.top_p=0"], "rollout.top_p"),
     (["rollout.max_response_tokens=99999"], "rollout.max_response_tokens"),
-    (["selfplay.active_skills=7"], "selfplay.active_skills"),
+    (["curriculum.active_skills=7"], "curriculum.active_skills"),
     (["run.name=a/b"], "run.name"),
     (["logging.log_interval=0"], "logging.log_interval"),
     (["parallel.tensor=3"], "parallel.tensor"),

@@ -150,15 +150,10 @@ class SelfPlayConfig:
     regen_interval: int = 4
     designer_delay: int = 4
     global_batch_size: int = 192  # samples per optimizer step; one rollout may give several steps
-    num_skills: int = 6
-    active_skills: int = 3
 
     def check(self) -> None:
-        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size",
-                  "num_skills", "active_skills")
+        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size")
         _require(self.designer_delay >= 0, "selfplay.designer_delay", f"must be >= 0, got {self.designer_delay}")
-        _require(self.active_skills <= self.num_skills, "selfplay.active_skills",
-                 f"must be <= selfplay.num_skills ({self.num_skills}), got {self.active_skills}")
 
 
 @dataclass
@@ -258,6 +253,119 @@ class RLConfig:
 
 
 @dataclass
+class CorpusSourceConfig:
+    """One corpus source. ``path``: a JSONL or Parquet file, a ``save_to_disk`` dataset folder, a folder of text
+    files, or ``builtin:maths|science|code`` (the offline default corpus). Field names may be dotted (``meta.id``)."""
+
+    path: str = "builtin:maths"
+    format: Literal["auto", "jsonl", "parquet", "hf_disk", "text", "builtin"] = "auto"
+    domain: str = "maths"  # label of every document, unless domain_field names a per-record label
+    text_field: str = "text"
+    id_field: Optional[str] = None  # None = the record's position in the source
+    domain_field: Optional[str] = None
+    split: Optional[str] = None  # DatasetDict folders: one split (None = all)
+
+    def check(self, path: str = "curriculum.corpus.sources") -> None:
+        _require(bool(self.path), f"{path}.path", "must not be empty")
+        _require(bool(self.domain), f"{path}.domain", "must not be empty")
+        _require(bool(self.text_field), f"{path}.text_field", "must not be empty")
+
+
+def _builtin_sources() -> list[CorpusSourceConfig]:
+    return [CorpusSourceConfig(path=f"builtin:{d}", domain=d) for d in ("maths", "science", "code")]
+
+
+@dataclass
+class CorpusConfig:
+    """Grounding documents for designer prompts (reference: 10k maths + 5k science, or 15k code; ~6000 tokens)."""
+
+    sources: list[CorpusSourceConfig] = field(default_factory=_builtin_sources)
+    token_budget: int = 6000  # tokens of the run's tokenizer (model.tokenizer) per document
+    min_chars: int = 200  # shorter documents are skipped
+    dedup: bool = True  # drop exact and near duplicates at load time
+    near_duplicate_threshold: float = 0.8  # estimated Jaccard of word 5-gram sets
+
+    def check(self) -> None:
+        _require(bool(self.sources), "curriculum.corpus.sources", "needs at least one source")
+        for i, source in enumerate(self.sources):
+            source.check(f"curriculum.corpus.sources[{i}]")
+        _positive("curriculum.corpus", self, "token_budget")
+        _require(self.min_chars >= 0, "curriculum.corpus.min_chars", f"must be >= 0, got {self.min_chars}")
+        _require(0.0 < self.near_duplicate_threshold <= 1.0, "curriculum.corpus.near_duplicate_threshold",
+                 f"must be in (0, 1], got {self.near_duplicate_threshold}")
+
+
+@dataclass
+class MemoryConfig:
+    """The environment memory (SQLite, WAL): every environment ever proposed; prompts see a recent window of it."""
+
+    path: str = "memory.sqlite"  # relative to the run directory
+    prompt_window: int = 200  # seeds and negatives are drawn from this many most recently played environments
+    seeds_per_prompt: int = 2  # high-regret environments shown in full as few-shot seeds
+    negatives_per_prompt: int = 4  # mastered / unsolvable environments summarised as "do not repeat"
+    near_duplicate_threshold: float = 0.9  # program similarity (normalised-AST token 5-grams) that counts as a copy
+    synchronous: Literal["normal", "full"] = "full"  # full: a commit survives power loss too, not just a crash
+
+    def check(self) -> None:
+        _require(bool(self.path), "curriculum.memory.path", "must not be empty")
+        _positive("curriculum.memory", self, "prompt_window")
+        for name in ("seeds_per_prompt", "negatives_per_prompt"):
+            value = getattr(self, name)
+            _require(value >= 0, f"curriculum.memory.{name}", f"must be >= 0, got {value}")
+        _require(0.0 < self.near_duplicate_threshold <= 1.0, "curriculum.memory.near_duplicate_threshold",
+                 f"must be in (0, 1], got {self.near_duplicate_threshold}")
+
+
+@dataclass
+class SkillConfig:
+    """A skill the designer writes environments for; ``domains`` are the corpus domains grounding it (empty = all)."""
+
+    name: str = ""
+    description: str = ""
+    domains: list[str] = field(default_factory=list)
+
+
+def _default_skills() -> list[SkillConfig]:
+    return [
+        SkillConfig("arithmetic", "arithmetic and algebra: compute, solve equations, manipulate numbers", ["maths"]),
+        SkillConfig("logic", "logic deduction: constraints, truth tellers, orderings, inference puzzles", ["maths"]),
+        SkillConfig("navigation", "spatial and grid navigation: mazes, maps, moving pieces on a board",
+                    ["maths", "science"]),
+        SkillConfig("science", "science simulation: physical, chemical or biological systems stepped in time",
+                    ["science"]),
+        SkillConfig("code_tracing", "algorithm and code tracing: predict what a procedure does or returns",
+                    ["code"]),
+        SkillConfig("tool_use", "stateful tool use with mock APIs: call functions with arguments to reach a goal",
+                    ["code"]),
+    ]
+
+
+@dataclass
+class CurriculumConfig:
+    """What keeps the designer diverse: corpus grounding, environment memory, skills (reference: 6, 3 active)."""
+
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    skills: list[SkillConfig] = field(default_factory=_default_skills)
+    active_skills: int = 3  # skills chosen round-robin for each regeneration
+
+    def check(self) -> None:
+        self.corpus.check()
+        self.memory.check()
+        _require(bool(self.skills), "curriculum.skills", "needs at least one skill")
+        seen: set[str] = set()
+        for i, skill in enumerate(self.skills):
+            where = f"curriculum.skills[{i}]"
+            _require(skill.name.isidentifier() and skill.name == skill.name.lower(), f"{where}.name",
+                     f"must be a lower-case identifier (letters, digits, _), got {skill.name!r}")
+            _require(skill.name not in seen, f"{where}.name", f"duplicate skill {skill.name!r}")
+            _require(bool(skill.description.strip()), f"{where}.description", "must describe the skill")
+            seen.add(skill.name)
+        _require(1 <= self.active_skills <= len(self.skills), "curriculum.active_skills",
+                 f"must be in [1, number of curriculum.skills ({len(self.skills)})], got {self.active_skills}")
+
+
+@dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
 
@@ -268,6 +376,7 @@ class SpadeConfig:
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

@@ -1,0 +1,458 @@
+"""The environment memory: every environment ever proposed, its validation, its per-iteration play results.
+
+The reference SPADE code keeps the last 200 environments in a JSON file; a crash while writing it loses the file and
+the history is gone for good. Here it is a SQLite database in WAL mode: each public write is one transaction, so a
+crash (even SIGKILL) loses at most the write in flight and never corrupts the file; storage is unlimited and the
+prompt-facing queries are served by indexes (a few milliseconds at millions of rows, see tools/bench/memory.py).
+
+What the designer prompt sees is a *window*: seeds and negatives are drawn from the ``prompt_window`` most recently
+played environments (reference: 200), so the prompt follows the moving frontier while nothing is ever deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, Literal, Sequence
+
+import numpy as np
+
+from spade_mega.curriculum.diversity import EASY_ABOVE, HARD_BELOW
+from spade_mega.curriculum.fingerprint import MinHasher, program_fingerprint
+from spade_mega.envs.program import EnvProgram
+from spade_mega.errors import SpadeError
+
+SCHEMA_VERSION = 1
+Outcome = Literal["frontier", "mastered", "unsolvable", "other"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS environments (
+    id INTEGER PRIMARY KEY,
+    content_hash TEXT NOT NULL UNIQUE,
+    ast_hash TEXT,
+    skill TEXT NOT NULL,
+    source TEXT NOT NULL,
+    hint TEXT NOT NULL,
+    document_id TEXT,
+    designer_iteration INTEGER,
+    policy_version INTEGER,
+    provenance TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'valid', 'invalid')),
+    reason TEXT,
+    proposals INTEGER NOT NULL DEFAULT 1,
+    duplicate_of TEXT,
+    similarity REAL,
+    created_at REAL NOT NULL,
+    signature BLOB NOT NULL,
+    last_iteration INTEGER,
+    win_rate REAL,
+    win_rate_hint REAL,
+    regret REAL,
+    designer_reward REAL,
+    plays INTEGER NOT NULL DEFAULT 0,
+    hint_plays INTEGER NOT NULL DEFAULT 0,
+    outcome TEXT
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    env_id INTEGER NOT NULL REFERENCES environments(id),
+    iteration INTEGER NOT NULL,
+    win_rate REAL NOT NULL,
+    win_rate_hint REAL NOT NULL,
+    regret REAL NOT NULL,
+    designer_reward REAL,
+    plays INTEGER NOT NULL,
+    hint_plays INTEGER NOT NULL,
+    PRIMARY KEY (env_id, iteration)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS lsh (
+    band_key INTEGER NOT NULL,
+    env_id INTEGER NOT NULL,
+    PRIMARY KEY (band_key, env_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS env_seeds ON environments (skill, regret) WHERE status = 'valid' AND regret > 0;
+CREATE INDEX IF NOT EXISTS env_outcome ON environments (skill, outcome, last_iteration);
+CREATE INDEX IF NOT EXISTS env_recent ON environments (last_iteration, id) WHERE last_iteration IS NOT NULL;
+CREATE INDEX IF NOT EXISTS env_ast ON environments (ast_hash);
+"""
+
+# Every column but the MinHash signature: what records carry.
+_COLUMNS = ("id, content_hash, ast_hash, skill, source, hint, document_id, designer_iteration, policy_version, "
+            "provenance, status, reason, proposals, duplicate_of, similarity, created_at, last_iteration, win_rate, "
+            "win_rate_hint, regret, designer_reward, plays, hint_plays, outcome")
+
+
+class EnvMemoryError(SpadeError):
+    """The memory database cannot be opened or does not hold what was asked for."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    iteration: int
+    win_rate: float
+    win_rate_hint: float
+    regret: float
+    designer_reward: float | None
+    plays: int
+    hint_plays: int
+
+
+@dataclass(frozen=True)
+class EnvRecord:
+    """One stored environment; the play columns hold its latest evaluation (None until it is played)."""
+
+    id: int
+    content_hash: str
+    ast_hash: str | None
+    skill: str
+    source: str
+    hint: str
+    document_id: str | None
+    designer_iteration: int | None
+    policy_version: int | None
+    provenance: dict[str, Any]
+    status: str
+    reason: str | None
+    proposals: int
+    duplicate_of: str | None
+    similarity: float | None
+    created_at: float
+    last_iteration: int | None
+    win_rate: float | None
+    win_rate_hint: float | None
+    regret: float | None
+    designer_reward: float | None
+    plays: int
+    hint_plays: int
+    outcome: str | None
+    evaluations: tuple[Evaluation, ...] = field(default=())
+
+    @property
+    def program(self) -> EnvProgram:
+        return EnvProgram(self.source, self.hint, self.skill, dict(self.provenance))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in _COLUMNS.split(", ")}
+        data["evaluations"] = [vars(e) for e in self.evaluations]
+        return data
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What :meth:`EnvMemory.propose` found: the row, whether it is new, and its nearest earlier near-duplicate."""
+
+    env_id: int
+    content_hash: str
+    new: bool
+    duplicate_of: str | None
+    similarity: float | None
+
+
+def classify(win_rate: float, win_rate_hint: float, regret: float) -> Outcome:
+    """Mastered: the agent alone wins (> 0.8). Unsolvable: it fails even with the hint (< 0.2 both). Frontier: the
+    hint helps (positive regret). The thresholds are the difficulty buckets of ``diversity.py``."""
+    if win_rate > EASY_ABOVE:
+        return "mastered"
+    if win_rate < HARD_BELOW and win_rate_hint < HARD_BELOW:
+        return "unsolvable"
+    return "frontier" if regret > 0 else "other"
+
+
+def _record(row: sqlite3.Row, evaluations: Sequence[Evaluation] = ()) -> EnvRecord:
+    data = dict(row)
+    data["provenance"] = json.loads(data["provenance"])
+    return EnvRecord(**data, evaluations=tuple(evaluations))
+
+
+class EnvMemory:
+    """The memory database of one run. One writer (the trainer) and any number of readers (``spade-mega memory``)."""
+
+    def __init__(self, path: str | Path, synchronous: str = "full", near_duplicate_threshold: float = 0.9,
+                 create: bool = True) -> None:
+        self.path = Path(path)
+        if not create and not self.path.is_file():
+            raise EnvMemoryError(f"{self.path}: no memory database here (a run writes it as "
+                                 "curriculum.memory.path inside its run directory)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.threshold = near_duplicate_threshold
+        self.hasher = MinHasher(num_perm=64, bands=8)
+        try:
+            self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise EnvMemoryError(f"{self.path}: memory schema version {version} is newer than this spade-mega "
+                                     f"understands ({SCHEMA_VERSION}); upgrade spade-mega")
+            if version < SCHEMA_VERSION:
+                self.conn.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+        except sqlite3.DatabaseError as exc:
+            raise EnvMemoryError(f"{self.path}: not a usable memory database ({exc})") from None
+
+    # -------------------------------------------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "EnvMemory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    class _Transaction:
+        def __init__(self, conn: sqlite3.Connection, begin: bool) -> None:
+            self.conn, self.begin = conn, begin
+
+        def __enter__(self) -> sqlite3.Connection:
+            if self.begin:
+                self.conn.execute("BEGIN IMMEDIATE")
+            return self.conn
+
+        def __exit__(self, exc_type: Any, *_: object) -> None:
+            if not self.begin:
+                return
+            self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+    def _write(self) -> "EnvMemory._Transaction":
+        """One write transaction (BEGIN IMMEDIATE ... COMMIT): all of it lands, or none of it."""
+        return self._Transaction(self.conn, begin=not self.conn.in_transaction)
+
+    def _resolve(self, key: str) -> int:
+        """Row id for a full content hash or a unique prefix (at least 4 characters), like git."""
+        if len(key) == 64:
+            row = self.conn.execute("SELECT id FROM environments WHERE content_hash = ?", (key,)).fetchone()
+        elif len(key) >= 4 and all(c in "0123456789abcdef" for c in key):
+            rows = self.conn.execute("SELECT id FROM environments WHERE content_hash >= ? AND content_hash < ? "
+                                     "LIMIT 2", (key, key + "g")).fetchall()
+            if len(rows) > 1:
+                raise EnvMemoryError(f"hash prefix {key!r} is ambiguous; give more characters")
+            row = rows[0] if rows else None
+        else:
+            raise EnvMemoryError(f"{key!r} is not a content hash (64 hex characters, or a prefix of at least 4)")
+        if row is None:
+            raise EnvMemoryError(f"no environment with hash {key!r} in {self.path}")
+        return int(row[0])
+
+    # ----------------------------------------------------------------------------------------------------- writes
+    def propose(self, program: EnvProgram) -> Proposal:
+        """Store a proposed environment (or count a re-proposal) and report its nearest earlier near-duplicate."""
+        return self.propose_many([program])[0]
+
+    def propose_many(self, programs: Iterable[EnvProgram]) -> list[Proposal]:
+        """Store many proposals in one transaction (one regeneration's worth)."""
+        out = []
+        with self._write() as conn:
+            for program in programs:
+                out.append(self._propose(conn, program))
+        return out
+
+    def _propose(self, conn: sqlite3.Connection, program: EnvProgram) -> Proposal:
+        digest = program.content_hash
+        row = conn.execute("SELECT id, duplicate_of, similarity FROM environments WHERE content_hash = ?",
+                           (digest,)).fetchone()
+        if row is not None:
+            conn.execute("UPDATE environments SET proposals = proposals + 1 WHERE id = ?", (row[0],))
+            return Proposal(row[0], digest, False, row[1], row[2])
+        fp = program_fingerprint(program.source)
+        sig = self.hasher.signature(fp.shingles)
+        keys = self.hasher.band_keys(sig)
+        dup, sim = self._nearest(conn, fp.ast_hash, sig, keys)
+        prov = program.provenance
+        cur = conn.execute(
+            "INSERT INTO environments (content_hash, ast_hash, skill, source, hint, document_id, designer_iteration, "
+            "policy_version, provenance, duplicate_of, similarity, created_at, signature) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (digest, fp.ast_hash, program.skill, program.source, program.hint,
+             _opt_str(prov.get("document_id")), _opt_int(prov.get("iteration")), _opt_int(prov.get("policy_version")),
+             json.dumps(prov, sort_keys=True, default=str), dup, sim, time.time(), sig.tobytes()))
+        env_id = int(cur.lastrowid)
+        conn.executemany("INSERT OR IGNORE INTO lsh (band_key, env_id) VALUES (?, ?)", [(k, env_id) for k in keys])
+        return Proposal(env_id, digest, True, dup, sim)
+
+    def _nearest(self, conn: sqlite3.Connection, ast_hash: str | None, sig: np.ndarray,
+                 keys: Sequence[int]) -> tuple[str | None, float | None]:
+        """Earliest stored program with the same normalised AST, else the most similar LSH candidate >= threshold."""
+        if ast_hash is not None:
+            row = conn.execute("SELECT content_hash FROM environments WHERE ast_hash = ? ORDER BY id LIMIT 1",
+                               (ast_hash,)).fetchone()
+            if row is not None:
+                return row[0], 1.0
+        best: tuple[str | None, float | None] = (None, None)
+        marks = ",".join("?" * len(keys))
+        for content_hash, blob in conn.execute(
+                f"SELECT content_hash, signature FROM environments WHERE id IN "
+                f"(SELECT DISTINCT env_id FROM lsh WHERE band_key IN ({marks})) ORDER BY id", list(keys)):
+            sim = self.hasher.similarity(sig, np.frombuffer(blob, dtype=np.uint32))
+            if sim >= self.threshold and (best[1] is None or sim > best[1]):
+                best = (content_hash, sim)
+        return best
+
+    def set_validation(self, content_hash: str, valid: bool, reason: str | None = None) -> None:
+        """Record the validator's verdict (``reason``: its reason code when invalid)."""
+        with self._write() as conn:
+            conn.execute("UPDATE environments SET status = ?, reason = ? WHERE id = ?",
+                         ("valid" if valid else "invalid", reason, self._resolve(content_hash)))
+
+    def record_evaluation(self, content_hash: str, iteration: int, win_rate: float, win_rate_hint: float,
+                          plays: int, hint_plays: int, designer_reward: float | None = None,
+                          regret: float | None = None) -> None:
+        """Store one iteration's play results (idempotent per iteration). ``regret`` defaults to the hint gain
+        ``win_rate_hint - win_rate``; pass the reward module's regret when it is measured differently."""
+        regret = win_rate_hint - win_rate if regret is None else regret
+        with self._write() as conn:
+            env_id = self._resolve(content_hash)
+            conn.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (env_id, iteration, win_rate, win_rate_hint, regret, designer_reward, plays, hint_plays))
+            self._refresh(conn, env_id)
+
+    def set_designer_reward(self, content_hash: str, iteration: int, designer_reward: float) -> None:
+        """Attach the (delayed) designer reward to an evaluation recorded earlier."""
+        with self._write() as conn:
+            env_id = self._resolve(content_hash)
+            cur = conn.execute("UPDATE evaluations SET designer_reward = ? WHERE env_id = ? AND iteration = ?",
+                               (designer_reward, env_id, iteration))
+            if cur.rowcount == 0:
+                raise EnvMemoryError(f"environment {content_hash[:12]} has no evaluation at iteration {iteration}")
+            self._refresh(conn, env_id)
+
+    def _refresh(self, conn: sqlite3.Connection, env_id: int) -> None:
+        """Copy the latest evaluation and the play totals onto the environment row (what the indexes serve)."""
+        last = conn.execute("SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration DESC LIMIT 1",
+                            (env_id,)).fetchone()
+        plays, hint_plays = conn.execute("SELECT SUM(plays), SUM(hint_plays) FROM evaluations WHERE env_id = ?",
+                                         (env_id,)).fetchone()
+        conn.execute("UPDATE environments SET last_iteration = ?, win_rate = ?, win_rate_hint = ?, regret = ?, "
+                     "designer_reward = ?, plays = ?, hint_plays = ?, outcome = ? WHERE id = ?",
+                     (last["iteration"], last["win_rate"], last["win_rate_hint"], last["regret"],
+                      last["designer_reward"], plays, hint_plays,
+                      classify(last["win_rate"], last["win_rate_hint"], last["regret"]), env_id))
+
+    # ------------------------------------------------------------------------------------------------------ reads
+    def get(self, content_hash: str) -> EnvRecord:
+        """One environment with all its evaluations; accepts a unique hash prefix."""
+        env_id = self._resolve(content_hash)
+        row = self.conn.execute(f"SELECT {_COLUMNS} FROM environments WHERE id = ?", (env_id,)).fetchone()
+        evals = [Evaluation(*r[1:]) for r in self.conn.execute(
+            "SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration", (env_id,))]
+        return _record(row, evals)
+
+    def __contains__(self, content_hash: object) -> bool:
+        return isinstance(content_hash, str) and self.conn.execute(
+            "SELECT 1 FROM environments WHERE content_hash = ?", (content_hash,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        return int(self.conn.execute("SELECT COUNT(*) FROM environments").fetchone()[0])
+
+    def _window(self, window: int | None) -> tuple[str, list[Any]]:
+        if window is None:
+            return "environments", []
+        return (f"(SELECT {_COLUMNS} FROM environments WHERE last_iteration IS NOT NULL "
+                "ORDER BY last_iteration DESC, id DESC LIMIT ?)", [window])
+
+    def seeds(self, skill: str, k: int, window: int | None = None) -> list[EnvRecord]:
+        """Top-``k`` valid environments of ``skill`` by regret (> 0): few-shot seeds. ``window``: only among the
+        most recently played ``window`` environments (the prompt window); None searches all storage."""
+        source, args = self._window(window)
+        rows = self.conn.execute(
+            f"SELECT {_COLUMNS} FROM {source} WHERE skill = ? AND status = 'valid' AND regret > 0 "
+            "ORDER BY regret DESC, id DESC LIMIT ?", [*args, skill, k]).fetchall()
+        return [_record(r) for r in rows]
+
+    def negatives(self, skill: str, k: int, window: int | None = None) -> list[EnvRecord]:
+        """Up to ``k`` recent mastered and unsolvable environments of ``skill``, alternating: "do not repeat"."""
+        source, args = self._window(window)
+        groups = [self.conn.execute(
+            f"SELECT {_COLUMNS} FROM {source} WHERE skill = ? AND outcome = ? "
+            "ORDER BY last_iteration DESC, id DESC LIMIT ?", [*args, skill, outcome, k]).fetchall()
+            for outcome in ("mastered", "unsolvable")]
+        mixed = [row for pair in zip(*groups) for row in pair]
+        longer = max(groups, key=len)
+        mixed += longer[len(mixed) // 2:]
+        return [_record(r) for r in mixed[:k]]
+
+    def recent(self, limit: int) -> list[EnvRecord]:
+        """The ``limit`` most recently proposed environments, newest first."""
+        rows = self.conn.execute(f"SELECT {_COLUMNS} FROM environments ORDER BY id DESC LIMIT ?", (limit,))
+        return [_record(r) for r in rows]
+
+    def near_duplicates(self, source: str, limit: int = 5) -> list[tuple[str, float]]:
+        """Stored programs similar to ``source``: same normalised AST (similarity 1.0) or MinHash similarity at or
+        above the threshold; (content hash, similarity), most similar first."""
+        fp = program_fingerprint(source)
+        sig = self.hasher.signature(fp.shingles)
+        keys = self.hasher.band_keys(sig)
+        found: dict[str, float] = {}
+        if fp.ast_hash is not None:
+            for (h,) in self.conn.execute("SELECT content_hash FROM environments WHERE ast_hash = ? LIMIT ?",
+                                          (fp.ast_hash, limit)):
+                found[h] = 1.0
+        marks = ",".join("?" * len(keys))
+        for h, blob in self.conn.execute(
+                f"SELECT content_hash, signature FROM environments WHERE id IN "
+                f"(SELECT DISTINCT env_id FROM lsh WHERE band_key IN ({marks}))", list(keys)):
+            sim = self.hasher.similarity(sig, np.frombuffer(blob, dtype=np.uint32))
+            if sim >= self.threshold:
+                found[h] = max(found.get(h, 0.0), sim)
+        return sorted(found.items(), key=lambda item: -item[1])[:limit]
+
+    def stats(self) -> dict[str, Any]:
+        """Totals for ``spade-mega memory stats`` and the run's metrics."""
+        q = self.conn.execute
+        total, proposals, dups = q("SELECT COUNT(*), COALESCE(SUM(proposals), 0), COUNT(duplicate_of) "
+                                   "FROM environments").fetchone()
+        played = q("SELECT COUNT(*), AVG(win_rate), AVG(win_rate_hint), AVG(regret), "
+                   "SUM(win_rate > 0 AND win_rate < 1), SUM(regret > 0), SUM(win_rate > ?), SUM(win_rate < ?), "
+                   "MAX(last_iteration) FROM environments WHERE last_iteration IS NOT NULL",
+                   (EASY_ABOVE, HARD_BELOW)).fetchone()
+        n_played = played[0]
+        frac = (lambda x: (x or 0) / n_played if n_played else 0.0)
+        return {
+            "path": str(self.path),
+            "environments": total,
+            "proposals": proposals,
+            "near_duplicates": dups,
+            "by_status": dict(q("SELECT status, COUNT(*) FROM environments GROUP BY status").fetchall()),
+            "by_skill": dict(q("SELECT skill, COUNT(*) FROM environments GROUP BY skill").fetchall()),
+            "invalid_reasons": dict(q("SELECT reason, COUNT(*) FROM environments WHERE status = 'invalid' "
+                                      "GROUP BY reason ORDER BY COUNT(*) DESC").fetchall()),
+            "played": n_played,
+            "outcomes": dict(q("SELECT outcome, COUNT(*) FROM environments WHERE outcome IS NOT NULL "
+                               "GROUP BY outcome").fetchall()),
+            "mean_win_rate": played[1], "mean_win_rate_hint": played[2], "mean_regret": played[3],
+            "learnable_fraction": frac(played[4]), "positive_regret_fraction": frac(played[5]),
+            "difficulty": {"easy": frac(played[6]), "hard": frac(played[7]),
+                           "medium": 1.0 - frac(played[6]) - frac(played[7]) if n_played else 0.0},
+            "last_iteration": played[8],
+        }
+
+    def iter_records(self) -> Iterator[EnvRecord]:
+        """Every environment with its evaluations, in proposal order, streamed (constant memory)."""
+        evals = self.conn.cursor().execute("SELECT * FROM evaluations ORDER BY env_id, iteration")
+        pending = evals.fetchone()
+        for row in self.conn.cursor().execute(f"SELECT {_COLUMNS} FROM environments ORDER BY id"):
+            mine = []
+            while pending is not None and pending[0] <= row["id"]:
+                if pending[0] == row["id"]:
+                    mine.append(Evaluation(*pending[1:]))
+                pending = evals.fetchone()
+            yield _record(row, mine)
+
+    def export_jsonl(self, out: IO[str]) -> int:
+        """Write every environment (with its evaluations) as one JSON object per line; returns the count."""
+        n = 0
+        for record in self.iter_records():
+            out.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
+            n += 1
+        return n
+
+
+def _opt_int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)

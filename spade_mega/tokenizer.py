@@ -1,0 +1,70 @@
+"""The run's tokenizer: ``model.tokenizer`` names a Hugging Face tokenizer (hub name or local folder), or ``None``.
+
+``None`` gives the built-in **byte tokenizer**: token id = UTF-8 byte value (0-255) plus a few special tokens, wrapped
+as a real ``PreTrainedTokenizerFast`` with a ChatML chat template. It needs no download, fits the tiny demo model's
+vocabulary (``model.vocab_size`` >= 259), and goes through exactly the same code paths (offsets, chat template,
+encode/decode) as a production tokenizer such as Qwen3's, so nothing downstream special-cases it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from spade_mega.errors import SpadeError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# ChatML, the format Qwen3 uses; a generation prompt opens the assistant turn.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TokenizerError(SpadeError):
+    """The configured tokenizer cannot be loaded."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def byte_tokenizer() -> Any:
+    """A fresh built-in byte tokenizer (``PreTrainedTokenizerFast``): ids 0-255 are bytes, then the specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(name: str | None) -> Any:
+    """The tokenizer for ``model.tokenizer``: the byte tokenizer for ``None``, else ``AutoTokenizer`` (offline-safe)."""
+    if name is None:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(
+            f"model.tokenizer: cannot load tokenizer {name!r} ({str(exc).splitlines()[0]}); give a local folder "
+            "holding tokenizer.json / tokenizer_config.json, or null for the built-in byte tokenizer") from None
