@@ -1,0 +1,263 @@
+"""The environment memory: a real SQLite file, crash safety under SIGKILL, the prompt-facing queries."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from spade_mega.curriculum.memory import EnvMemory, EnvMemoryError, classify
+from spade_mega.envs.program import EnvProgram
+
+TEMPLATE = '''import random
+
+
+class {name}:
+    """{doc}"""
+
+    max_turns = {turns}
+
+    def reset(self, seed: int) -> str:
+        self.rng = random.Random(seed)
+        self.{field} = self.rng.randint(1, {top})
+        self.turn = 0
+        return "Guess a number between 1 and {top}."
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        self.turn += 1
+        ok = action.strip() == str(self.{field})
+        return "{word}" if ok else "no", float(ok), ok, self.turn >= self.max_turns, {{}}
+'''
+
+
+def program(i: int, skill: str = "arithmetic", **kw) -> EnvProgram:
+    # Programs built from different operations so that distinct i are not near-duplicates of each other.
+    body = "\n".join(f"    def helper_{j}_{i}(self, x):\n        return x {'+-*%'[j % 4]} {i * 7 + j}\n"
+                     for j in range(i % 5 + 1))
+    src = TEMPLATE.format(name=f"Game{i}", doc=f"game {i}", turns=3 + i % 7, field="secret", top=10 + i,
+                          word=f"yes{i}") + "\n" + body + "\n" + "\n".join(f"CONST_{k} = '{i}-{k}' * {k}"
+                                                                           for k in range(i % 13))
+    return EnvProgram(src, f"hint {i}", skill, kw or {"origin": "designer", "iteration": i})
+
+
+@pytest.fixture
+def memory(tmp_path: Path) -> EnvMemory:
+    with EnvMemory(tmp_path / "memory.sqlite") as mem:
+        yield mem
+
+
+def test_propose_stores_provenance_and_counts_reproposals(memory: EnvMemory) -> None:
+    p = EnvProgram(TEMPLATE.format(name="G", doc="d", turns=5, field="s", top=9, word="w"), "h", "logic",
+                   {"origin": "designer", "iteration": 4, "document_id": "builtin:maths:00012", "policy_version": 3})
+    first = memory.propose(p)
+    again = memory.propose(EnvProgram(p.source, p.hint, p.skill, {"iteration": 9}))
+    assert first.new and not again.new and first.env_id == again.env_id
+    rec = memory.get(p.content_hash)
+    assert (rec.document_id, rec.designer_iteration, rec.policy_version) == ("builtin:maths:00012", 4, 3)
+    assert rec.proposals == 2 and rec.status == "pending" and rec.program == p
+    assert rec.provenance["origin"] == "designer"
+
+
+def test_renamed_copy_is_a_near_duplicate_with_similarity_one(memory: EnvMemory) -> None:
+    original = EnvProgram(TEMPLATE.format(name="Guess", doc="one", turns=5, field="secret", top=50, word="ok"),
+                          "bisect", "arithmetic")
+    renamed = EnvProgram(TEMPLATE.format(name="Oracle", doc="another docstring", turns=5, field="hidden", top=50,
+                                         word="ok").replace("    def", "    # a comment\n    def"), "x", "logic")
+    memory.propose(original)
+    prop = memory.propose(renamed)
+    assert prop.new and prop.duplicate_of == original.content_hash and prop.similarity == 1.0
+    assert memory.near_duplicates(renamed.source)[0] == (original.content_hash, 1.0)
+
+
+def test_similar_but_not_identical_program_is_found_by_similarity(memory: EnvMemory) -> None:
+    base = TEMPLATE.format(name="Guess", doc="one", turns=5, field="secret", top=50, word="ok")
+    memory.propose(EnvProgram(base, "h", "arithmetic"))
+    variant = base.replace('"no"', '"no, try again"')
+    matches = memory.near_duplicates(variant)
+    assert matches and matches[0][0] == EnvProgram(base, "h", "arithmetic").content_hash and 0.9 <= matches[0][1] < 1
+    unrelated = memory.near_duplicates("def f(a, b):\n    return sorted(a)[b]\n")
+    assert unrelated == []
+
+
+def test_distinct_programs_are_not_duplicates(memory: EnvMemory) -> None:
+    props = memory.propose_many(program(i) for i in range(30))
+    assert all(p.new for p in props)
+    assert sum(p.duplicate_of is not None for p in props) == 0
+
+
+def test_validation_and_evaluations(memory: EnvMemory) -> None:
+    p = program(1)
+    memory.propose(p)
+    memory.set_validation(p.content_hash, False, "nondeterministic_reset")
+    assert memory.get(p.content_hash).status == "invalid"
+    memory.set_validation(p.content_hash, True)
+    memory.record_evaluation(p.content_hash, 4, win_rate=0.25, win_rate_hint=0.75, plays=16, hint_plays=16)
+    memory.record_evaluation(p.content_hash, 8, win_rate=0.5, win_rate_hint=0.625, plays=16, hint_plays=16)
+    memory.record_evaluation(p.content_hash, 8, win_rate=0.5, win_rate_hint=0.625, plays=16, hint_plays=16)  # again
+    memory.set_designer_reward(p.content_hash, 4, 0.9)
+    rec = memory.get(p.content_hash[:10])
+    assert [e.iteration for e in rec.evaluations] == [4, 8]
+    assert rec.evaluations[0].regret == 0.5 and rec.evaluations[0].designer_reward == 0.9
+    assert (rec.last_iteration, rec.win_rate, rec.regret, rec.plays, rec.hint_plays) == (8, 0.5, 0.125, 32, 32)
+    assert rec.outcome == "frontier" and rec.status == "valid" and rec.reason is None
+    with pytest.raises(EnvMemoryError, match="no evaluation at iteration 5"):
+        memory.set_designer_reward(p.content_hash, 5, 0.1)
+
+
+def test_classify_thresholds() -> None:
+    assert classify(0.9, 0.95, 0.05) == "mastered"
+    assert classify(0.1, 0.1, 0.0) == "unsolvable"
+    assert classify(0.1, 0.6, 0.5) == "frontier"
+    assert classify(0.5, 0.4, -0.1) == "other"
+
+
+def _play(memory: EnvMemory, p: EnvProgram, iteration: int, w: float, wh: float, valid: bool = True) -> None:
+    memory.propose(p)
+    memory.set_validation(p.content_hash, valid, None if valid else "syntax")
+    memory.record_evaluation(p.content_hash, iteration, w, wh, 8, 8)
+
+
+def test_seeds_are_top_regret_valid_of_the_skill_within_the_window(memory: EnvMemory) -> None:
+    regrets = {}
+    for i in range(12):
+        w, wh = 0.1, 0.1 + 0.05 * i
+        _play(memory, program(i), iteration=i, w=w, wh=wh, valid=i != 11)  # i=11 has top regret but is invalid
+        regrets[program(i).content_hash] = wh - w
+    _play(memory, program(50, skill="logic"), 3, 0.0, 1.0)  # other skill
+    seeds = memory.seeds("arithmetic", 3)
+    assert [s.content_hash for s in seeds] == [program(i).content_hash for i in (10, 9, 8)]
+    assert all(s.skill == "arithmetic" and s.status == "valid" for s in seeds)
+    # A window of the 4 most recently played: iterations 11, 10, 9 and the logic one at 3 are out... 8 is in.
+    windowed = memory.seeds("arithmetic", 10, window=4)
+    assert {s.content_hash for s in windowed} == {program(i).content_hash for i in (10, 9, 8)}
+
+
+def test_negatives_mix_mastered_and_unsolvable(memory: EnvMemory) -> None:
+    for i in range(4):
+        _play(memory, program(i), i, 0.95, 1.0)  # mastered
+    for i in range(4, 6):
+        _play(memory, program(i), i, 0.0, 0.05)  # unsolvable
+    _play(memory, program(6), 6, 0.3, 0.8)  # frontier: never a negative
+    neg = memory.negatives("arithmetic", 4)
+    assert [n.outcome for n in neg] == ["mastered", "unsolvable", "mastered", "unsolvable"]
+    assert memory.negatives("arithmetic", 6)[-2:][0].outcome == "mastered"
+    assert len(memory.negatives("arithmetic", 20)) == 6
+    assert memory.negatives("logic", 3) == []
+
+
+def test_recent_stats_and_export(memory: EnvMemory) -> None:
+    for i in range(5):
+        _play(memory, program(i), i, [0.0, 0.5, 0.9, 1.0, 0.1][i], [0.2, 0.9, 0.9, 1.0, 0.1][i])
+    memory.propose(program(99))
+    assert [r.content_hash for r in memory.recent(2)] == [program(99).content_hash, program(4).content_hash]
+    stats = memory.stats()
+    assert stats["environments"] == 6 and stats["played"] == 5 and stats["by_status"] == {"valid": 5, "pending": 1}
+    assert stats["learnable_fraction"] == pytest.approx(3 / 5)  # 0.5, 0.9, 0.1
+    assert stats["positive_regret_fraction"] == pytest.approx(2 / 5)
+    assert stats["difficulty"]["easy"] == pytest.approx(2 / 5) and stats["difficulty"]["hard"] == pytest.approx(2 / 5)
+    out = io.StringIO()
+    assert memory.export_jsonl(out) == 6
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["content_hash"] for r in rows] == [program(i).content_hash for i in (0, 1, 2, 3, 4, 99)]
+    assert rows[1]["evaluations"] == [{"iteration": 1, "win_rate": 0.5, "win_rate_hint": 0.9,
+                                       "regret": pytest.approx(0.4), "designer_reward": None, "plays": 8,
+                                       "hint_plays": 8}]
+    assert rows[5]["evaluations"] == [] and EnvProgram.from_dict(rows[5]) == program(99)
+
+
+def test_reopen_keeps_everything_and_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "m.sqlite"
+    with EnvMemory(path) as mem:
+        _play(mem, program(1), 1, 0.2, 0.7)
+    with EnvMemory(path, create=False) as mem:
+        assert len(mem) == 1 and mem.get(program(1).content_hash).regret == pytest.approx(0.5)
+        assert mem.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_bad_files_and_hashes_give_clear_errors(tmp_path: Path, memory: EnvMemory) -> None:
+    with pytest.raises(EnvMemoryError, match="no memory database"):
+        EnvMemory(tmp_path / "absent.sqlite", create=False)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(EnvMemoryError, match="not a usable memory database"):
+        EnvMemory(junk)
+    newer = tmp_path / "newer.sqlite"
+    sqlite3.connect(newer).execute("PRAGMA user_version=99").connection.close()
+    with pytest.raises(EnvMemoryError, match="newer"):
+        EnvMemory(newer)
+    memory.propose(program(1))
+    for key, message in (("zz", "not a content hash"), ("0000", "no environment"), ("0" * 64, "no environment")):
+        with pytest.raises(EnvMemoryError, match=message):
+            memory.get(key)
+
+
+def test_ambiguous_prefix_is_an_error(memory: EnvMemory) -> None:
+    by_prefix: dict[str, EnvProgram] = {}
+    for i in range(100_000):  # find two programs whose hashes share 4 leading hex digits (birthday bound ~300)
+        p = EnvProgram("class A: pass\n", f"hint {i}", "logic")
+        other = by_prefix.setdefault(p.content_hash[:4], p)
+        if other is not p:
+            break
+    memory.propose_many([other, p])
+    with pytest.raises(EnvMemoryError, match="ambiguous"):
+        memory.get(p.content_hash[:4])
+    assert memory.get(p.content_hash[:12]).hint == p.hint
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from spade_mega.curriculum.memory import EnvMemory
+    from spade_mega.envs.program import EnvProgram
+
+    BATCH = 5
+    memory = EnvMemory(sys.argv[1])
+    for batch in range(100000):
+        programs = [EnvProgram(f"class G{batch}_{k}:\\n    def reset(self, seed):\\n        return '{k}' * {batch}\\n"
+                               f"    def step(self, a):\\n        return ('', 0.0, True, False, {{}})\\n" + "# pad\\n" * k,
+                               f"hint {batch} {k}", "logic") for k in range(BATCH)]
+        memory.propose_many(programs)  # one transaction of BATCH rows (plus LSH rows)
+        memory.record_evaluation(programs[0].content_hash, batch, 0.25, 0.75, 4, 4)
+        print(batch, *[p.content_hash for p in programs], flush=True)  # after both commits
+""")
+
+
+def test_sigkill_mid_write_loses_nothing_committed_and_never_corrupts(tmp_path: Path) -> None:
+    db = tmp_path / "memory.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    committed: list[list[str]] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            committed.append(line.split()[1:])
+            if len(committed) >= 60:
+                break
+        time.sleep(0.013)  # let it get into the middle of further transactions
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and len(committed) == 60
+
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    with EnvMemory(db, create=False) as mem:
+        for hashes in committed:
+            assert all(h in mem for h in hashes)
+            assert mem.get(hashes[0]).regret == pytest.approx(0.5)
+        stored = len(mem)
+        assert stored % 5 == 0 and stored >= 5 * len(committed)  # whole transactions only, never a partial one
+        n_lsh = mem.conn.execute("SELECT COUNT(DISTINCT env_id) FROM lsh").fetchone()[0]
+        assert n_lsh == stored
+        mem.propose(EnvProgram("class After: pass\n", "h", "logic"))  # and it takes new writes
+        assert len(mem) == stored + 1

@@ -1,0 +1,68 @@
+"""`spade-mega memory stats|export|show` over a run's memory database."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spade_mega.cli import main
+from spade_mega.config import load_config, prepare_run_dir
+from spade_mega.curriculum.memory import EnvMemory
+from spade_mega.envs.program import EnvProgram
+
+SOURCE = "class G:\n    max_turns = 2\n    def reset(self, seed):\n        return 'o'\n" \
+         "    def step(self, a):\n        return 'o', 1.0, True, False, {}\n"
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=r1", "curriculum.memory.path=mem/env.sqlite"])
+    run = prepare_run_dir(cfg)
+    with EnvMemory(run / "mem" / "env.sqlite") as mem:
+        for i in range(3):
+            p = EnvProgram(SOURCE.replace("'o'", f"'o{i}'"), f"hint {i}", "logic", {"iteration": i})
+            mem.propose(p)
+            mem.set_validation(p.content_hash, i != 2, None if i != 2 else "reset_not_deterministic")
+            if i != 2:
+                mem.record_evaluation(p.content_hash, i, 0.25 * (i + 1), 0.75, 4, 4, designer_reward=0.1)
+    return run
+
+
+def test_stats_reads_the_path_from_the_run_config(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["memory", "stats", "--run", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "environments  3 (3 proposals" in out and "invalid       reset_not_deterministic 1" in out
+    assert "played        2 (last iteration 1)" in out
+    assert main(["memory", "stats", "--run", str(run_dir / "mem" / "env.sqlite"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["by_status"] == {"invalid": 1, "valid": 2} and stats["learnable_fraction"] == 1.0
+
+
+def test_export_writes_jsonl(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "export.jsonl"
+    assert main(["memory", "export", "--run", str(run_dir), "-o", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]["hint"] == "hint 0" and rows[1]["evaluations"][0]["win_rate"] == 0.5
+    assert "exported 3 environments" in capsys.readouterr().err
+    assert main(["memory", "export", "--run", str(run_dir)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_show_by_prefix(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    p = EnvProgram(SOURCE.replace("'o'", "'o1'"), "hint 1", "logic")
+    assert main(["memory", "show", p.content_hash[:8], "--run", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert p.content_hash in out and "hint          hint 1" in out and "class G:" in out
+    assert "        1     0.500      0.750   0.250            0.100      4           4" in out
+    assert main(["memory", "show", p.content_hash, "--run", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["content_hash"] == p.content_hash
+
+
+def test_errors_are_one_line_exit_2(tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["memory", "stats", "--run", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no memory database here" in err
+    assert main(["memory", "show", "ffff", "--run", str(run_dir)]) == 2
+    assert "no environment with hash 'ffff'" in capsys.readouterr().err
