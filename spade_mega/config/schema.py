@@ -366,6 +366,63 @@ class CurriculumConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Isolated workers that run environment programs (spade_mega/envs/sandbox). ``strict`` refuses to start without
+    bubblewrap and seccomp; ``best-effort`` runs with what the machine has and logs, loudly, what it got."""
+
+    isolation: Literal["strict", "best-effort"] = "strict"
+    warm_workers: int = 4  # workers started ahead of need, so open() and replacements do not wait
+    call_timeout_s: float = 5.0  # deadline of one reset() or step()
+    load_timeout_s: float = 10.0  # deadline of loading a program (its module-level code)
+    start_timeout_s: float = 30.0  # deadline of starting one worker
+    memory_mb: int = 1024  # address space (RLIMIT_AS) and memory cgroup limit of one worker
+    cpu_s: int = 600  # CPU seconds over a worker's life (RLIMIT_CPU); a handle renews its worker at half of it
+    file_size_mb: int = 8  # largest file a program can write (RLIMIT_FSIZE), its captured output included
+    open_files: int = 64  # RLIMIT_NOFILE
+    threads: int = 8  # tasks per worker (RLIMIT_NPROC in the worker's user namespace; pids cgroup)
+    scratch_mb: int = 16  # size of the writable /tmp inside the sandbox
+    output_limit_kb: int = 64  # what a program may print (stdout + stderr) in one call
+    reply_limit_kb: int = 1024  # one encoded reply: observation and info
+    hash_seed: int = 0  # PYTHONHASHSEED of every worker, so set and dict orders agree across workers
+    uid: int = 65534  # the non-root user workers run as when the trainer runs as root
+    gid: int = 65534
+    bwrap: str = "bwrap"  # name or path of the bubblewrap executable
+    cgroups: bool = True  # per-worker memory and pids cgroups where this process may create them
+
+    def check(self) -> None:
+        _positive("sandbox", self, "warm_workers", "call_timeout_s", "load_timeout_s", "start_timeout_s",
+                  "memory_mb", "cpu_s", "file_size_mb", "open_files", "threads", "scratch_mb", "output_limit_kb",
+                  "reply_limit_kb")
+        _require(self.memory_mb >= 256, "sandbox.memory_mb", f"must be >= 256 (the interpreter needs it), "
+                                                              f"got {self.memory_mb}")
+        _require(self.open_files >= 16, "sandbox.open_files", f"must be >= 16, got {self.open_files}")
+        _require(self.output_limit_kb < self.file_size_mb << 10, "sandbox.output_limit_kb",
+                 f"must be below sandbox.file_size_mb ({self.file_size_mb} MB), got {self.output_limit_kb}")
+        _require(0 <= self.hash_seed <= 4294967295, "sandbox.hash_seed", f"must be in [0, 2**32 - 1], "
+                                                                          f"got {self.hash_seed}")
+        for name in ("uid", "gid"):
+            _require(0 < getattr(self, name) < 2**32 - 1, f"sandbox.{name}",
+                     f"must be a non-root id, got {getattr(self, name)}")
+
+
+@dataclass
+class ValidationConfig:
+    """What an environment program must pass before it is used (spade_mega/envs/validate.py)."""
+
+    reward_min: float = -1.0  # every reward must lie in [reward_min, reward_max]
+    reward_max: float = 1.0
+    max_turns_limit: int = 100  # the largest max_turns a program may declare
+    seed: int = 0  # seed of the determinism check and of the random-action policy
+    random_episodes: int = 2  # episodes played with random actions (each must end within max_turns)
+    concurrency: int = 4  # programs validated at once
+
+    def check(self) -> None:
+        _require(self.reward_min < self.reward_max, "validation.reward_max",
+                 f"must be > validation.reward_min ({self.reward_min}), got {self.reward_max}")
+        _positive("validation", self, "max_turns_limit", "random_episodes", "concurrency")
+
+
+@dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
 
@@ -376,6 +433,8 @@ class SpadeConfig:
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     rl: RLConfig = field(default_factory=RLConfig)

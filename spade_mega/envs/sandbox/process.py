@@ -1,0 +1,322 @@
+"""One sandbox worker as the trainer sees it: start it, exchange framed messages under deadlines, kill and reap it.
+
+Everything that arrives from a worker is hostile bytes: frames are bounded before they are read, bodies are decoded
+with msgpack into plain data (never unpickled) and the envelope is checked field by field. A call that overruns its
+deadline, hits EOF, or receives a malformed frame kills the worker.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+
+from spade_mega.envs.sandbox.cgroups import CgroupTree, WorkerCgroup
+from spade_mega.envs.sandbox.errors import (ProtocolError, SandboxCrash, SandboxError, SandboxTimeout,
+                                             SandboxUnavailable)
+from spade_mega.envs.sandbox.isolation import IsolationReport, Launch, inspect_worker
+from spade_mega.envs.sandbox.worker import FRAME, ST_ERR, ST_OK
+
+_ENVELOPE = 4096  # reply bytes allowed beyond reply_limit_kb for the envelope and the captured output
+_ATOMIC_WRITE = select.PIPE_BUF - FRAME.size  # pipe writes up to PIPE_BUF bytes are all-or-nothing
+_packb = msgpack.Packer().pack
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A well-formed reply: ``ok`` with ``value``, or not ok with ``value == [kind, message]``."""
+
+    ok: bool
+    value: Any
+    output: str
+    output_overflow: bool
+
+
+class WorkerProcess:
+    """A started worker: its pipes, its host pid (a pidfd, so a kill never hits a reused pid), cgroup and report."""
+
+    def __init__(self, popen: subprocess.Popen, req_w: int, rep_r: int, max_frame: int) -> None:
+        self.popen = popen
+        self.req_w = req_w
+        self.rep_r = rep_r
+        self.max_frame = max_frame
+        self.seq = 0
+        self.pid = popen.pid
+        self.pidfd: int | None = None
+        self.cgroup: WorkerCgroup | None = None
+        self.report: IsolationReport | None = None
+        self.busy_s = 0.0  # wall time spent in calls: bounds the CPU the worker has used toward RLIMIT_CPU
+        self.dead = False
+        self.exit_note = ""
+        self.stderr_tail = ""
+        self._poller = select.poll()
+        self._poller.register(rep_r, select.POLLIN)
+
+    def call(self, op: str, arg: Any, timeout: float) -> Reply | SandboxError:
+        """One request and its reply: the per-step path, so it avoids :func:`exchange`'s bookkeeping."""
+        body = _packb([self.seq + 1, op, arg])
+        if len(body) > _ATOMIC_WRITE or self.dead:  # a large request may need several writes
+            return exchange([(self, op, arg, timeout)])[0]
+        self.seq += 1
+        started = time.monotonic()
+        deadline = started + timeout
+        try:
+            os.write(self.req_w, FRAME.pack(len(body)) + body)  # atomic: the pipe is empty between calls
+        except OSError:
+            return self.crash_error(op)
+        pending = _Pending(0, self, op, b"", deadline, started)
+        poll = self._poller.poll
+        while True:
+            wait_ms = int((deadline - time.monotonic()) * 1000) + 1
+            if wait_ms <= 0:
+                self.kill()
+                return SandboxTimeout(f"{op} did not answer within {timeout:.1f} s; the worker was killed")
+            if poll(wait_ms):
+                result = _receive(pending)
+                if result is not None:
+                    self.busy_s += time.monotonic() - started
+                    return result
+
+    def send_kill(self) -> None:
+        """SIGKILL the worker without waiting (the pool sends it to many workers, then reaps them all)."""
+        if self.pidfd is not None and not self.dead:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """Kill the worker and everything in its sandbox, reap the processes and remove its cgroup. Idempotent."""
+        if self.dead:
+            return
+        self.send_kill()
+        self.dead = True
+        try:  # bubblewrap reaps the worker and exits by itself; its process group goes if it does not
+            self.popen.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        code = self.popen.returncode
+        self.exit_note = (f"killed by {signal.Signals(-code).name}" if code < 0 else
+                          f"killed by {signal.Signals(code - 128).name}" if code > 128 and code - 128 < 65 else
+                          f"exit status {code}")
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        for fd in (self.req_w, self.rep_r, self.pidfd):
+            if fd is not None:
+                os.close(fd)
+        stderr = self.popen.stderr
+        if stderr is not None:  # only bubblewrap and the interpreter before the hello ever write here
+            os.set_blocking(stderr.fileno(), False)
+            try:
+                self.stderr_tail = (os.read(stderr.fileno(), 4096) or b"").decode("utf-8", "replace").strip()
+            except BlockingIOError:
+                pass
+            stderr.close()
+
+    def crash_error(self, op: str) -> SandboxCrash:
+        self.kill()
+        return SandboxCrash(f"the worker died during {op} ({self.exit_note})")
+
+
+def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
+    """Start one worker, read its hello, verify its isolation from outside, move it into its cgroups.
+
+    Must run on a thread that outlives the worker: bubblewrap's --die-with-parent follows the starting *thread*.
+    """
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    info_r, info_w = os.pipe() if launch.plan.bwrap else (None, None)
+    argv, env = launch.command(req_r, rep_w, info_w)
+    try:
+        popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, pass_fds=[fd for fd in (req_r, rep_w, info_w) if fd],
+                                 process_group=0)
+    except OSError:
+        for fd in (req_r, req_w, rep_r, rep_w, info_r, info_w):
+            if fd is not None:
+                os.close(fd)
+        raise
+    for fd in (req_r, rep_w, info_w):
+        if fd is not None:
+            os.close(fd)
+    for fd in (req_w, rep_r):
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    cfg = launch.cfg
+    worker = WorkerProcess(popen, req_w, rep_r, (cfg.reply_limit_kb << 10) + (cfg.output_limit_kb << 10) + _ENVELOPE)
+    try:
+        if info_r is not None:
+            worker.pid = _bwrap_child_pid(info_r, cfg.start_timeout_s)
+        worker.pidfd = os.pidfd_open(worker.pid)
+        (hello,) = exchange([(worker, None, None, cfg.start_timeout_s)])
+        if isinstance(hello, SandboxError) or not hello.ok:
+            detail = hello.value[1] if isinstance(hello, Reply) else hello.message
+            worker.kill()
+            said = f" (it said: {worker.stderr_tail.splitlines()[-1]})" if worker.stderr_tail else ""
+            raise SandboxUnavailable(f"a sandbox worker failed to start: {detail}{said}")
+        tree_controllers = cgroups.controllers if cgroups else ()
+        worker.report = inspect_worker(worker.pid, hello.value, bool(launch.plan.bwrap), tree_controllers)
+        if cgroups is not None:
+            worker.cgroup = cgroups.worker(cfg.memory_mb << 20, cfg.threads + 2)
+            worker.cgroup.attach(worker.pid)
+    except BaseException:
+        worker.kill()
+        raise
+    finally:
+        if info_r is not None:
+            os.close(info_r)
+    return worker
+
+
+def _bwrap_child_pid(info_r: int, timeout: float) -> int:
+    """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is the worker: --as-pid-1)."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while not data.rstrip().endswith(b"}"):
+        ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(info_r, 4096) if ready else b""
+        if not chunk:
+            raise SandboxUnavailable("bubblewrap did not start the sandbox" if ready else
+                                     f"bubblewrap did not start the sandbox within {timeout:.0f} s")
+        data += chunk
+    return int(json.loads(data)["child-pid"])
+
+
+class _Pending:
+    __slots__ = ("index", "worker", "op", "out", "buf", "deadline", "started")
+
+    def __init__(self, index: int, worker: WorkerProcess, op: str, out: bytes, deadline: float, now: float) -> None:
+        self.index, self.worker, self.op, self.out = index, worker, op, out
+        self.buf = b""
+        self.deadline, self.started = deadline, now
+
+
+def exchange(calls: Sequence[tuple[WorkerProcess, str | None, Any, float]]) -> list[Reply | SandboxError]:
+    """Send each ``(worker, op, arg, timeout)`` request, then collect every reply under its own deadline.
+
+    ``op=None`` sends nothing and reads the worker's hello. Requests go out before any reply is awaited, so the
+    workers run concurrently. Each result is a :class:`Reply` or the SandboxError of that call (its worker killed).
+    """
+    results: list[Reply | SandboxError | None] = [None] * len(calls)
+    poller = select.poll()
+    readers: dict[int, _Pending] = {}
+    writers: dict[int, _Pending] = {}
+    now = time.monotonic()
+    for index, (worker, op, arg, timeout) in enumerate(calls):
+        if op is None:
+            out = b""
+        else:
+            worker.seq += 1
+            body = _packb([worker.seq, op, arg])
+            out = FRAME.pack(len(body)) + body
+        pending = _Pending(index, worker, op or "start", out, now + timeout, now)
+        if out:
+            try:
+                pending.out = out[os.write(worker.req_w, out):]
+            except BlockingIOError:
+                pass
+            except OSError:  # EPIPE: the worker is gone
+                results[index] = worker.crash_error(pending.op)
+                continue
+            if pending.out:
+                writers[worker.req_w] = pending
+                poller.register(worker.req_w, select.POLLOUT)
+        readers[worker.rep_r] = pending
+        poller.register(worker.rep_r, select.POLLIN)
+
+    def finish(pending: _Pending, result: Reply | SandboxError) -> None:
+        results[pending.index] = result
+        pending.worker.busy_s += time.monotonic() - pending.started
+        poller.unregister(pending.worker.rep_r)
+        del readers[pending.worker.rep_r]
+        if pending.worker.req_w in writers:
+            poller.unregister(pending.worker.req_w)
+            del writers[pending.worker.req_w]
+
+    while readers:
+        wait_ms = max(0, int((min(p.deadline for p in readers.values()) - now) * 1000) + 1)
+        for fd, _events in poller.poll(wait_ms):
+            if fd in writers:
+                pending = writers[fd]
+                try:
+                    pending.out = pending.out[os.write(fd, pending.out):]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    finish(pending, pending.worker.crash_error(pending.op))
+                    continue
+                if not pending.out:
+                    poller.unregister(fd)
+                    del writers[fd]
+            elif fd in readers:
+                pending = readers[fd]
+                result = _receive(pending)
+                if result is not None:
+                    finish(pending, result)
+        now = time.monotonic()
+        for pending in [p for p in readers.values() if now >= p.deadline]:
+            pending.worker.kill()
+            finish(pending, SandboxTimeout(f"{pending.op} did not answer within "
+                                           f"{pending.deadline - pending.started:.1f} s; the worker was killed"))
+    return results  # type: ignore[return-value]
+
+
+def _receive(pending: _Pending) -> Reply | SandboxError | None:
+    """Read what is there; a Reply or an error once the frame is complete (or broken), else None."""
+    worker = pending.worker
+    try:
+        chunk = os.read(worker.rep_r, 1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINTR:
+            return None
+        chunk = b""
+    if not chunk:
+        return worker.crash_error(pending.op)
+    pending.buf += chunk
+    if len(pending.buf) < 4:
+        return None
+    (size,) = FRAME.unpack_from(pending.buf)
+    if size > worker.max_frame:
+        worker.kill()
+        return ProtocolError(f"the worker announced a {size}-byte reply to {pending.op} "
+                             f"(limit {worker.max_frame}); the worker was killed")
+    if len(pending.buf) < 4 + size:
+        return None
+    if len(pending.buf) > 4 + size:
+        worker.kill()
+        return ProtocolError(f"the worker sent {len(pending.buf) - 4 - size} bytes beyond its reply to "
+                             f"{pending.op}; the worker was killed")
+    reply = _decode(pending.buf[4:], worker.seq)
+    if isinstance(reply, str):
+        worker.kill()
+        return ProtocolError(f"{reply} from the worker during {pending.op}; the worker was killed")
+    return reply
+
+
+def _decode(body: bytes, seq: int) -> Reply | str:
+    """The reply, or what is wrong with it."""
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means hostile or corrupt bytes
+        return f"undecodable reply ({type(exc).__name__}: {str(exc)[:200]})"
+    if type(message) is not list or len(message) != 5:
+        return f"malformed reply envelope ({type(message).__name__})"
+    reply_seq, status, value, output, overflow = message
+    if type(reply_seq) is not int or reply_seq != seq:
+        return f"reply to request {reply_seq!r} while request {seq} was pending"
+    if type(status) is not int or status not in (ST_OK, ST_ERR) or type(output) is not str or type(overflow) is not bool:
+        return "malformed reply envelope fields"
+    if status == ST_ERR and not (type(value) is list and len(value) == 2 and all(type(v) is str for v in value)):
+        return "malformed error reply"
+    return Reply(status == ST_OK, value, output, overflow)
