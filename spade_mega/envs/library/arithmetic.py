@@ -110,7 +110,7 @@ ENTRIES = [
     LibraryEntry(
         name="linear_equation",
         skill="arithmetic",
-        summary="solving a linear equation with x terms and constants scattered over both sides",
+        summary="solving a linear equation with x terms and constants on both sides; too high / too low feedback",
         hint="Collect every x term on the left and every constant on the right (flip the sign of a term when it "
              "crosses '='), then divide by the x coefficient. Substitute your x back into both sides to check it.",
         oracle=linear_equation_oracle,

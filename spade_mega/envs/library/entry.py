@@ -60,9 +60,10 @@ class DifficultyParam:
         return max(self.easy, self.hard)
 
     def at_level(self, level: float) -> Number:
-        """The value ``level`` of the way from easy (0) to hard (1); integers round to the nearest."""
-        value = self.easy + (self.hard - self.easy) * level
-        return round(value) if isinstance(self.default, int) else float(value)
+        """The value ``level`` of the way from easy (0) to hard (1): integers round to the nearest (half to even),
+        decimals to 6 places, so both ends are exact and rendered sources stay readable."""
+        value = self.easy * (1.0 - level) + self.hard * level
+        return round(value) if isinstance(self.default, int) else round(value, 6)
 
     def check(self, value: object, where: str) -> Number:
         """``value`` as this parameter's type, or a LibraryError naming the parameter and its range."""

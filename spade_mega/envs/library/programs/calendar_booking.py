@@ -6,7 +6,7 @@ import random
 # difficulty (rendered by the library; each range reads easy..hard)
 PEOPLE = 2  # 2..5: attendees whose calendars must be checked
 BUSY = 2  # 1..5: busy blocks per attendee on the meeting day
-DURATION = 30  # 30..90: meeting length in minutes (a multiple of 15)
+DURATION = 30  # 30..90: meeting length in minutes
 # end difficulty
 
 NAMES = ["ana", "ben", "chloe", "dev", "elif", "farid", "grace"]
