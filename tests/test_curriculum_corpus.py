@@ -203,3 +203,16 @@ def test_default_corpus_builds_offline_with_three_domains() -> None:
     assert any("Breadth-first search" in d.text for d in corpus.documents)
     again = Corpus.build(CorpusConfig(sources=[CorpusSourceConfig(path="builtin:science", domain="science")]))
     assert [d.text for d in again.documents] == [d.text for d in corpus.documents if d.domain == "science"]
+
+
+def test_load_tokenizer_from_a_local_folder_and_the_byte_default(bpe_tokenizer, tmp_path: Path) -> None:
+    from spade_mega.tokenizer import TokenizerError, load_tokenizer
+
+    bpe_tokenizer.save_pretrained(tmp_path / "tok")
+    loaded = load_tokenizer(str(tmp_path / "tok"))
+    assert loaded.encode("def reset(self, seed):") == bpe_tokenizer.encode("def reset(self, seed):")
+    byte = load_tokenizer(None)
+    assert byte.encode("é", add_special_tokens=False) == [0xC3, 0xA9] and byte.decode([0xC3, 0xA9]) == "é"
+    assert byte.convert_tokens_to_ids("<|im_end|>") == 258 and byte.eos_token == "<|im_end|>"
+    with pytest.raises(TokenizerError, match="cannot load tokenizer"):
+        load_tokenizer(str(tmp_path / "missing"))

@@ -183,6 +183,16 @@ def test_reopen_keeps_everything_and_wal_mode(tmp_path: Path) -> None:
         assert mem.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_for_run_uses_the_configured_path(tmp_path: Path) -> None:
+    from spade_mega.config import load_config
+
+    cfg = load_config(None, ["curriculum.memory.path=state/mem.sqlite", "curriculum.memory.synchronous=normal"])
+    with EnvMemory.for_run(cfg.curriculum.memory, tmp_path) as mem:
+        mem.propose(program(1))
+        assert mem.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    assert (tmp_path / "state" / "mem.sqlite").is_file()
+
+
 def test_bad_files_and_hashes_give_clear_errors(tmp_path: Path, memory: EnvMemory) -> None:
     with pytest.raises(EnvMemoryError, match="no memory database"):
         EnvMemory(tmp_path / "absent.sqlite", create=False)

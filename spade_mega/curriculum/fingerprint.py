@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
-_MERSENNE = np.uint64((1 << 61) - 1)
 # Names the environment contract fixes: renaming them would hide the structure that matters.
 _CONTRACT_NAMES = frozenset({"self", "reset", "step", "max_turns", "seed", "action", "__init__"})
 
@@ -48,7 +47,7 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 
 class MinHasher:
-    """MinHash signatures (``num_perm`` universal hashes mod 2^61-1) and LSH band keys.
+    """MinHash signatures (``num_perm`` multiply-shift hashes: the high 32 bits of a*x + b mod 2^64) and LSH band keys.
 
     The estimated similarity (fraction of equal signature slots) is an average of equality kernels, hence a valid
     positive semi-definite kernel as well as an unbiased Jaccard estimate.
@@ -59,15 +58,15 @@ class MinHasher:
             raise ValueError(f"bands ({bands}) must divide num_perm ({num_perm})")
         rng = np.random.default_rng(seed)
         self.num_perm, self.bands = num_perm, bands
-        self._a = rng.integers(1, 1 << 32, size=num_perm, dtype=np.uint64)
-        self._b = rng.integers(0, int(_MERSENNE), size=num_perm, dtype=np.uint64)
+        self._a = rng.integers(0, 1 << 63, size=num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd
+        self._b = rng.integers(0, 1 << 63, size=num_perm, dtype=np.uint64)
 
     def signature(self, hashes: np.ndarray) -> np.ndarray:
         if hashes.size == 0:
             return np.full(self.num_perm, np.iinfo(np.uint32).max, dtype=np.uint32)
-        # a < 2^32 and x < 2^32: a * x fits in uint64 exactly, and (a * x mod p) + b stays below 2^62.
-        mixed = (self._a[:, None] * hashes.astype(np.uint64)[None, :] % _MERSENNE + self._b[:, None]) % _MERSENNE
-        return (mixed.min(axis=1) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        with np.errstate(over="ignore"):  # wrapping mod 2^64 is the point
+            mixed = self._a[:, None] * hashes.astype(np.uint64)[None, :] + self._b[:, None]
+        return (mixed >> np.uint64(32)).min(axis=1).astype(np.uint32)
 
     @staticmethod
     def similarity(a: np.ndarray, b: np.ndarray) -> float:
@@ -84,42 +83,29 @@ class MinHasher:
         return keys
 
 
-class _Canonicalise(ast.NodeTransformer):
-    """Rename every identifier the program defines to v0, v1, ... (order of first definition); drop docstrings."""
-
-    def __init__(self, defined: list[str]) -> None:
-        self.names = {name: f"v{i}" for i, name in enumerate(defined)}
-
-    def _rename(self, name: str) -> str:
-        return self.names.get(name, name)
-
-    def visit_Name(self, node: ast.Name) -> ast.AST:
-        node.id = self._rename(node.id)
-        return node
-
-    def visit_arg(self, node: ast.arg) -> ast.AST:
-        node.arg = self._rename(node.arg)
-        node.annotation = None
-        return node
-
-    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
-        self.generic_visit(node)
-        node.attr = self._rename(node.attr)
-        return node
-
-    def _body(self, node: ast.AST) -> ast.AST:
-        self.generic_visit(node)
-        body = getattr(node, "body", None)
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-        if hasattr(node, "name"):
-            node.name = self._rename(node.name)
-        if hasattr(node, "returns"):
-            node.returns = None
-        return node
-
-    visit_Module = visit_ClassDef = visit_FunctionDef = visit_AsyncFunctionDef = _body
+def _canonicalise(tree: ast.Module) -> ast.Module:
+    """Rename every identifier the program defines to v0, v1, ... (order of first definition), drop docstrings and
+    annotations, in place; one pass of ``ast.walk`` (a NodeTransformer is several times slower)."""
+    names = {name: f"v{i}" for i, name in enumerate(_defined_names(tree))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            node.id = names.get(node.id, node.id)
+        elif isinstance(node, ast.Attribute):
+            node.attr = names.get(node.attr, node.attr)
+        elif isinstance(node, ast.arg):
+            node.arg, node.annotation = names.get(node.arg, node.arg), None
+        elif isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Constant(None)
+        elif isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+            if not isinstance(node, ast.Module):
+                node.name = names.get(node.name, node.name)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                node.returns = None
+    return tree
 
 
 def _defined_names(tree: ast.AST) -> list[str]:
@@ -155,9 +141,7 @@ def program_fingerprint(source: str) -> ProgramFingerprint:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tree = ast.parse(source)
-        tree = _Canonicalise(_defined_names(tree)).visit(tree)
-        normalised = ast.unparse(tree)
-        digest = hashlib.sha256(ast.dump(tree, annotate_fields=False).encode("utf-8")).hexdigest()
+        normalised = ast.unparse(_canonicalise(tree))  # a canonical rendering: equal trees, equal text
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return ProgramFingerprint(None, shingles(tokens(source)))
-    return ProgramFingerprint(digest, shingles(tokens(normalised)))
+    return ProgramFingerprint(hashlib.sha256(normalised.encode("utf-8")).hexdigest(), shingles(tokens(normalised)))

@@ -20,6 +20,7 @@ from typing import IO, Any, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
 
+from spade_mega.config.schema import MemoryConfig
 from spade_mega.curriculum.diversity import EASY_ABOVE, HARD_BELOW
 from spade_mega.curriculum.fingerprint import MinHasher, program_fingerprint
 from spade_mega.envs.program import EnvProgram
@@ -193,6 +194,12 @@ class EnvMemory:
         except sqlite3.DatabaseError as exc:
             raise EnvMemoryError(f"{self.path}: not a usable memory database ({exc})") from None
 
+    @classmethod
+    def for_run(cls, cfg: MemoryConfig, run_dir: str | Path) -> "EnvMemory":
+        """The memory of a run: ``curriculum.memory.path`` inside the run directory (or absolute)."""
+        return cls(Path(run_dir) / cfg.path, synchronous=cfg.synchronous,
+                   near_duplicate_threshold=cfg.near_duplicate_threshold)
+
     # -------------------------------------------------------------------------------------------------- plumbing
     def close(self) -> None:
         self.conn.close()
@@ -261,17 +268,21 @@ class EnvMemory:
         sig = self.hasher.signature(fp.shingles)
         keys = self.hasher.band_keys(sig)
         dup, sim = self._nearest(conn, fp.ast_hash, sig, keys)
+        return Proposal(self._insert(conn, program, fp.ast_hash, sig, keys, dup, sim), digest, True, dup, sim)
+
+    def _insert(self, conn: sqlite3.Connection, program: EnvProgram, ast_hash: str | None, sig: np.ndarray,
+                keys: Sequence[int], dup: str | None, sim: float | None) -> int:
         prov = program.provenance
         cur = conn.execute(
             "INSERT INTO environments (content_hash, ast_hash, skill, source, hint, document_id, designer_iteration, "
             "policy_version, provenance, duplicate_of, similarity, created_at, signature) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (digest, fp.ast_hash, program.skill, program.source, program.hint,
+            (program.content_hash, ast_hash, program.skill, program.source, program.hint,
              _opt_str(prov.get("document_id")), _opt_int(prov.get("iteration")), _opt_int(prov.get("policy_version")),
              json.dumps(prov, sort_keys=True, default=str), dup, sim, time.time(), sig.tobytes()))
         env_id = int(cur.lastrowid)
         conn.executemany("INSERT OR IGNORE INTO lsh (band_key, env_id) VALUES (?, ?)", [(k, env_id) for k in keys])
-        return Proposal(env_id, digest, True, dup, sim)
+        return env_id
 
     def _nearest(self, conn: sqlite3.Connection, ast_hash: str | None, sig: np.ndarray,
                  keys: Sequence[int]) -> tuple[str | None, float | None]:
