@@ -93,6 +93,8 @@ def test_text_folder(tmp_path: Path) -> None:
     (tmp_path / "notes" / "skip.bin").write_bytes(b"\x00\x01")
     docs = list(load_source(CorpusSourceConfig(path=str(tmp_path / "notes"), domain="science")))
     assert [d.id for d in docs] == ["notes/a.md", "notes/sub/b.txt"] and docs[1].text == text(2)
+    single = list(load_source(CorpusSourceConfig(path=str(tmp_path / "notes" / "a.md"), domain="maths")))
+    assert [(d.id, d.domain, d.text) for d in single] == [("a.md", "maths", text(1))]
 
 
 def test_bad_sources_name_the_problem(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ def seeded_memory(tmp_path: Path) -> EnvMemory:
     rows = [(contract_example, "bisect the range", 0.2, 0.9),
             (contract_example.replace("GuessNumber", "Easy").replace("Guess a secret", "Trivially guess"),
              "h", 0.95, 1.0),
-            ("class Wall:\n    '''Walk through a wall.'''\n    def reset(self, s): ...\n    def step(self, a): ...\n",
+            ("class Helper:\n    pass\n\n\nclass Wall:\n    '''Walk through a wall.'''\n    def reset(self, s): ...\n    def step(self, a): ...\n",
              "h", 0.0, 0.0)]
     for i, (src, hint, w, wh) in enumerate(rows):
         p = EnvProgram(src, hint, "arithmetic")

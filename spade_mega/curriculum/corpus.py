@@ -181,8 +181,8 @@ def load_source(source: CorpusSourceConfig) -> Iterator[Document]:
         files = sorted(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file()) \
             if path.is_dir() else [path]
         for f in files:
-            rel = f.relative_to(path).as_posix() if path.is_dir() else f.name
-            yield Document(f"{path.name}/{rel}", source.domain, f.read_text(encoding="utf-8", errors="replace"))
+            doc_id = f"{path.name}/{f.relative_to(path).as_posix()}" if path.is_dir() else path.name
+            yield Document(doc_id, source.domain, f.read_text(encoding="utf-8", errors="replace"))
         return
     for index, (where, record) in enumerate(_records(source, fmt, path)):
         text = _field(record, source.text_field, where)

@@ -71,10 +71,11 @@ def _summary(record: EnvRecord) -> str:
     """One line naming an environment: its class and the first line of its docstring (read with ast, not run)."""
     try:
         tree = ast.parse(record.source)
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef))
+        classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+        cls = next((c for c in classes if {"reset", "step"} <= {getattr(f, "name", "") for f in c.body}), classes[0])
         doc = (ast.get_docstring(cls) or "").strip().splitlines()
         return f"{cls.name}: {doc[0]}" if doc else cls.name
-    except (StopIteration, SyntaxError, ValueError, RecursionError, MemoryError):
+    except (IndexError, SyntaxError, ValueError, RecursionError, MemoryError):
         return record.source.strip().splitlines()[0][:120] if record.source.strip() else "(empty program)"
 
 
