@@ -154,7 +154,7 @@ class Validator:
             try:
                 handles.append(self.pool.open(program))
             except SandboxError as error:
-                raise Rejected(_reason_of(error, in_reset=False), error.message, error.output) from None
+                raise Rejected(_reason_of(error, in_reset=False), error.detail, error.output) from None
         a, b = handles
         report.class_name, report.max_turns = a.class_name, a.max_turns
         if a.max_turns > cfg.max_turns_limit:
@@ -187,7 +187,7 @@ class Validator:
             try:
                 solvable, detail = self.solvability(program, self.pool)
             except SandboxError as error:
-                raise Rejected(_reason_of(error, in_reset=False), error.message, error.output) from None
+                raise Rejected(_reason_of(error, in_reset=False), error.detail, error.output) from None
             if not solvable:
                 raise Rejected(Reason.UNSOLVABLE, detail)
 
@@ -201,7 +201,7 @@ class Validator:
         observations = self.pool.reset_many(starts)
         for obs in observations:
             if isinstance(obs, SandboxError):
-                raise Rejected(_reason_of(obs, in_reset=True), f"reset: {obs.message}", obs.output)
+                raise Rejected(_reason_of(obs, in_reset=True), f"reset: {obs.detail}", obs.output)
         digests = [hashlib.sha256(msgpack.packb(obs)) for obs in observations]
         last = list(observations)
         turns = [0] * len(starts)
@@ -229,7 +229,7 @@ class Validator:
     def _check_step(self, result: StepResult | SandboxError, turn: int, action: str) -> None:
         where = f"step {turn + 1} (action {action!r})"
         if isinstance(result, SandboxError):
-            raise Rejected(_reason_of(result, in_reset=False), f"{where}: {result.message}", result.output)
+            raise Rejected(_reason_of(result, in_reset=False), f"{where}: {result.detail}", result.output)
         if not self.cfg.reward_min <= result.reward <= self.cfg.reward_max:
             raise Rejected(Reason.REWARD_OUT_OF_RANGE, f"{where}: reward {result.reward} is outside "
                                                        f"[{self.cfg.reward_min}, {self.cfg.reward_max}]")

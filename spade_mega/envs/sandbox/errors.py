@@ -15,19 +15,21 @@ class SandboxUnavailable(SpadeError, RuntimeError):
 
 
 class SandboxError(SpadeError):
-    """A call into an environment program failed. ``output`` holds what the program printed during it (capped)."""
+    """A call into an environment program failed. ``output`` holds what the program printed during it (capped);
+    ``detail`` is the message without context (what validation reports beside its reason code)."""
 
-    def __init__(self, message: str, output: str = "") -> None:
+    def __init__(self, message: str, output: str = "", detail: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.output = output
+        self.detail = message if detail is None else detail
 
 
 class LoadError(SandboxError):
     """The program did not load: ``kind`` is syntax, load_error, no_env_class, multiple_env_classes or bad_max_turns."""
 
     def __init__(self, kind: str, message: str, output: str = "") -> None:
-        super().__init__(f"{kind}: {message}", output)
+        super().__init__(f"the program did not load ({kind}): {message}", output, detail=message)
         self.kind = kind
 
 

@@ -95,8 +95,8 @@ def runtime() -> Runtime:
     import msgpack
 
     python = os.path.realpath(sys.executable)
-    paths = sysconfig.get_paths()
-    wanted = [python, paths["stdlib"], paths["platstdlib"], "/etc/ld.so.cache"]
+    # The base installation's standard library, never a virtual environment's site-packages.
+    wanted = [python, os.path.dirname(os.__file__), sysconfig.get_config_var("DESTSHARED"), "/etc/ld.so.cache"]
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         wanted.append(os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")))
     symlinks = []

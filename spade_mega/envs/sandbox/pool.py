@@ -177,6 +177,7 @@ class SandboxPool:
         self._warm: deque[WorkerProcess] = deque()
         self._live: set[WorkerProcess] = set()
         self._closed = False
+        self._stop = False  # set by close() once every worker is reaped; only then does the spawner thread end
         self._spawn_error: SandboxUnavailable | None = None
         self.isolation: IsolationReport | None = None
         # bubblewrap's --die-with-parent follows the thread that started it: one long-lived thread starts them all.
@@ -273,6 +274,11 @@ class SandboxPool:
             worker.send_kill()
         for worker in workers:
             worker.kill()
+        # Only now may the spawner thread end: its exit would SIGKILL (--die-with-parent) any bubblewrap it started,
+        # and a bubblewrap killed before it reaps its worker leaves a zombie to init.
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         if self._spawner.is_alive() and threading.current_thread() is not self._spawner:
             self._spawner.join(timeout=self.cfg.start_timeout_s + 5)
         if self._cgroups is not None:
@@ -294,6 +300,11 @@ class SandboxPool:
     def warm_workers(self) -> int:
         with self._cond:
             return len(self._warm)
+
+    def processes(self) -> set[int]:
+        """Host pids of every live worker and of the bubblewrap process that started it."""
+        with self._cond:
+            return {pid for worker in self._live for pid in (worker.pid, worker.popen.pid)}
 
     # -- internals ----------------------------------------------------------------------------------------------
 
@@ -340,6 +351,8 @@ class SandboxPool:
                 while not self._closed and len(self._warm) >= self.cfg.warm_workers:
                     self._cond.wait()
                 if self._closed:
+                    while not self._stop:
+                        self._cond.wait()
                     return
             try:
                 worker = spawn(self._launch, self._cgroups)
@@ -362,13 +375,14 @@ class SandboxPool:
                 continue
             backoff = 0.05
             with self._cond:
-                if self._closed:
-                    worker.kill()
-                    return
-                self._spawn_error = None
-                self._warm.append(worker)
-                self._live.add(worker)
-                self._cond.notify_all()
+                closed = self._closed
+                if not closed:
+                    self._spawn_error = None
+                    self._warm.append(worker)
+                    self._live.add(worker)
+                    self._cond.notify_all()
+            if closed:
+                worker.kill()
 
     def _fall_back(self, exc: SandboxUnavailable) -> bool:
         """best-effort only: when bubblewrap exists but cannot start a sandbox, run workers without it."""

@@ -264,7 +264,7 @@ class Host:
             env = self.env_class()
             observation = env.reset(seed)
         except BaseException as exc:  # noqa: BLE001
-            raise Failure(K_PROGRAM, "reset: " + _describe(exc)) from None
+            raise Failure(K_PROGRAM, _describe(exc)) from None
         self.env = env
         return observation
 
@@ -274,7 +274,7 @@ class Host:
         try:
             return self.env.step(action)  # type: ignore[attr-defined]
         except BaseException as exc:  # noqa: BLE001
-            raise Failure(K_PROGRAM, "step: " + _describe(exc)) from None
+            raise Failure(K_PROGRAM, _describe(exc)) from None
 
 
 class Failure(Exception):
@@ -365,6 +365,9 @@ def serve(settings: dict, capture: Capture) -> None:
         output, overflow = capture.drain()
         try:
             body = packb([seq, status, value, output, overflow])
+        except MemoryError:
+            body = packb([seq, ST_ERR, [K_REPLY_TOO_LARGE, f"the {op} reply does not fit in the worker's memory"],
+                          output, overflow])
         except Exception as exc:  # noqa: BLE001 - the program returned something that is not plain data
             body = packb([seq, ST_ERR, [K_UNSERIALIZABLE, f"{op} returned a value that is not plain data "
                                         f"(str, int, float, bool, None, list, dict): {_describe(exc, 300)}"],
@@ -377,6 +380,8 @@ def serve(settings: dict, capture: Capture) -> None:
 
 def main() -> None:
     settings = json.loads(sys.argv[1])
+    for key in [k for k in os.environ if k != "PYTHONHASHSEED"]:  # PWD from bubblewrap, LC_CTYPE from the locale
+        del os.environ[key]
     sys.path.insert(0, settings["lib_dir"])
     import msgpack
 

@@ -1,0 +1,103 @@
+"""The gymnasium adapter under gymnasium's own checker, and the ``spade-mega env`` commands as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from spade_mega.envs.gym import ENV_ID, SandboxEnv
+from spade_mega.envs.program import EnvProgram
+
+from sandbox_support import GUESS_NUMBER, TEST_UID, strict_missing, strict_pool
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).with_name("spade-mega")
+KNOWN_BAD = ROOT / "tests" / "data" / "known_bad"
+STRICT_TEST_USER = ["-s", f"sandbox.uid={TEST_UID}", "-s", f"sandbox.gid={TEST_UID}"]
+
+
+def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(SCRIPT), *args], input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def guess_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("programs") / "guess_number.py"
+    path.write_text(GUESS_NUMBER)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _needs_strict_isolation() -> None:
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+
+
+def test_gymnasium_env_checker_accepts_a_sandboxed_program() -> None:
+    with strict_pool(warm_workers=1) as pool:
+        env = SandboxEnv(EnvProgram(GUESS_NUMBER, "binary search", "arithmetic"), pool=pool, render_mode="ansi")
+        check_env(env, skip_render_check=False)
+        observation, info = env.reset(seed=5)
+        assert env.observation_space.contains(observation) and info == {"seed": 5}
+        assert env.reset(seed=5)[0] == observation and env.render() == observation
+        env.close()
+        env.close()  # idempotent, as gymnasium expects
+
+
+def test_gymnasium_make_builds_one_with_its_own_pool_and_truncates_at_max_turns() -> None:
+    source = "class Forever:\n    max_turns = 3\n    def reset(self, seed):\n        return 'go'\n" \
+             "    def step(self, action):\n        return 'again', 0.0, False, False, {}\n"
+    env = gymnasium.make(ENV_ID, program=source, sandbox=None)
+    try:
+        env.reset(seed=0)
+        flags = [env.step("x")[2:4] for _ in range(3)]
+        assert flags == [(False, False), (False, False), (False, True)]
+    finally:
+        env.close()
+
+
+def test_env_validate_reports_each_file_and_exits_1_on_any_rejection(guess_file: Path) -> None:
+    proc = cli("env", "validate", str(guess_file), str(KNOWN_BAD / "syntax.py"), *STRICT_TEST_USER)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("ok") and "GuessNumber, max_turns 8" in lines[0]
+    assert lines[1].startswith("rejected") and "syntax: line 6: expected ':'" in lines[1]
+    assert lines[2] == "1 ok, 1 rejected (syntax 1)"
+    proc = cli("env", "validate", "--json", str(guess_file), *STRICT_TEST_USER)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True
+
+
+def test_env_validate_missing_file_is_one_clear_error() -> None:
+    proc = cli("env", "validate", "nowhere.py")
+    assert proc.returncode == 2 and proc.stderr.strip() == "spade-mega: error: nowhere.py: no such file"
+
+
+def test_env_play_reads_actions_and_prints_observations_and_rewards(guess_file: Path) -> None:
+    # seed 1 hides 18, so 50 is wrong; the second action is not a number.
+    proc = cli("env", "play", str(guess_file), "--seed", "1", *STRICT_TEST_USER, stdin="50\nnot a number\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == "[GuessNumber, max_turns 8, seed 1; one action per line, end of input quits]"
+    assert out[1].startswith("I picked a number")
+    assert out[2:4] == ["[reward +0.000]", "50 is wrong, go lower."]
+    assert out[4:6] == ["[reward +0.000]", "Reply with one integer."]
+    assert out[6] == "[stopped after 2 turns, return +0.000]"
+
+
+def test_env_play_ends_with_the_episode_and_shows_program_output(tmp_path: Path) -> None:
+    path = tmp_path / "echo.py"
+    path.write_text("class Echo:\n    max_turns = 1\n    def reset(self, seed):\n        return 'say it'\n"
+                    "    def step(self, action):\n        print('debug:', action)\n"
+                    "        return action.upper(), 1.0, True, False, {'len': len(action)}\n")
+    proc = cli("env", "play", str(path), *STRICT_TEST_USER, stdin="hello\nignored\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[2:] == ["| debug: hello", '[reward +1.000, info {"len": 5}]', "HELLO",
+                                            "[episode terminated after 1 turns, return +1.000]"]

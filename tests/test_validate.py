@@ -1,0 +1,126 @@
+"""Validation in real sandboxes: every known-bad program is rejected with its expected reason code (and every code
+has such a program), good programs pass, and the solvability hook decides last."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from spade_mega.config.schema import ValidationConfig
+from spade_mega.envs.program import EnvProgram
+from spade_mega.envs.sandbox import SandboxPool
+from spade_mega.envs.validate import Reason, ValidationReport, Validator
+
+from sandbox_support import GUESS_NUMBER, program, strict_pool
+
+pytestmark = pytest.mark.multiproc
+
+KNOWN_BAD = sorted((Path(__file__).parent / "data" / "known_bad").glob("*.py"))
+
+
+def expected_reason(path: Path) -> Reason:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name} must start with '# expect: <reason>'"
+    return Reason(first.removeprefix("# expect: ").strip())
+
+
+def brute_force_solvable(actions: list[str], depth: int):
+    """A solvability check for tests: does any sequence of ``actions`` (up to ``depth``) earn a positive return?"""
+
+    def check(prog: EnvProgram, pool: SandboxPool) -> tuple[bool, str]:
+        with pool.open(prog) as env:
+            frontier: list[list[str]] = [[]]
+            for _ in range(depth):
+                frontier = [path + [a] for path in frontier for a in actions]
+                for path in frontier:
+                    env.reset(0)
+                    total = sum(env.step(a).reward for a in path)
+                    if total > 0:
+                        return True, f"solved by {path}"
+        return False, f"no sequence of {actions} up to {depth} actions earns a reward"
+
+    return check
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with strict_pool(warm_workers=4, call_timeout_s=1.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def known_bad_reports(pool: SandboxPool) -> dict[str, ValidationReport]:
+    unsolvable = KNOWN_BAD[[p.name for p in KNOWN_BAD].index("unsolvable.py")]
+    validator = Validator(pool, ValidationConfig(concurrency=4))
+    programs = [program(path.read_text()) for path in KNOWN_BAD if path != unsolvable]
+    reports = dict(zip([p.name for p in KNOWN_BAD if p != unsolvable], validator.validate_many(programs)))
+    checked = Validator(pool, solvability=brute_force_solvable(["1", "123456789012"], 2))
+    reports[unsolvable.name] = checked.validate(program(unsolvable.read_text()))
+    return reports
+
+
+@pytest.mark.parametrize("path", KNOWN_BAD, ids=[p.stem for p in KNOWN_BAD])
+def test_known_bad_program_is_rejected_with_its_reason(known_bad_reports: dict[str, ValidationReport],
+                                                       path: Path) -> None:
+    report = known_bad_reports[path.name]
+    assert not report.ok
+    assert report.reason == expected_reason(path), f"{path.name}: {report.reason}: {report.detail}"
+    assert report.detail  # a rejection always says what went wrong
+
+
+def test_every_reason_code_has_a_known_bad_program() -> None:
+    assert len(KNOWN_BAD) >= 15
+    assert {expected_reason(path) for path in KNOWN_BAD} == set(Reason)
+
+
+def test_a_good_program_passes_with_stats(pool: SandboxPool) -> None:
+    report = Validator(pool).validate(program(GUESS_NUMBER))
+    assert report.ok, f"{report.reason}: {report.detail}"
+    assert (report.class_name, report.max_turns) == ("GuessNumber", 8)
+    assert report.stats["fixed_turns"] == 8 and all(1 <= t <= 8 for t in report.stats["random_turns"])
+    assert report.to_dict()["reason"] is None
+
+
+def test_solvability_hook_runs_last_and_only_on_otherwise_valid_programs(pool: SandboxPool) -> None:
+    two_steps = textwrap.dedent("""
+        class Door:
+            max_turns = 3
+
+            def reset(self, seed):
+                self.opened = False
+                self.turn = 0
+                return "A locked door. Try: knock, open."
+
+            def step(self, action):
+                self.turn += 1
+                if action == "knock":
+                    self.opened = True
+                    return "Someone unlocks it.", 0.0, False, self.turn >= 3, {}
+                if action == "open" and self.opened:
+                    return "You are in!", 1.0, True, False, {}
+                return "Nothing happens.", 0.0, False, self.turn >= 3, {}
+    """)
+    calls = []
+
+    def counting(prog: EnvProgram, p: SandboxPool) -> tuple[bool, str]:
+        calls.append(prog.content_hash)
+        return brute_force_solvable(["open", "knock"], 2)(prog, p)
+
+    validator = Validator(pool, solvability=counting)
+    assert validator.validate(program(two_steps)).ok
+    assert validator.validate(program("class Broken(:\n")).reason == Reason.SYNTAX
+    assert len(calls) == 1  # not called for the program that failed an earlier check
+
+
+def test_reward_range_comes_from_the_config(pool: SandboxPool) -> None:
+    points = (Path(__file__).parent / "data" / "known_bad" / "reward_out_of_range.py").read_text()
+    assert Validator(pool, ValidationConfig(reward_min=0.0, reward_max=10.0)).validate(program(points)).ok
+
+
+def test_reasons_count_for_metrics(known_bad_reports: dict[str, ValidationReport]) -> None:
+    counts = Counter(report.reason for report in known_bad_reports.values())
+    assert counts[Reason.BAD_MAX_TURNS] == 2 and counts[Reason.STEP_CONTRACT] == 2
+    assert all(isinstance(reason, Reason) and reason.value == str(reason.value) for reason in counts)
