@@ -26,7 +26,7 @@ $(STAMP): $(CONSTRAINTS) setup.py pyproject.toml
 
 # System packages the tests use, installed when we can (root with apt-get); otherwise the tests that need them
 # skip and say why.
-SYSTEM_PACKAGES := bubblewrap
+SYSTEM_PACKAGES := bubblewrap libseccomp2
 sysdeps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

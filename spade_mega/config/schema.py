@@ -372,6 +372,7 @@ class SandboxConfig:
 
     isolation: Literal["strict", "best-effort"] = "strict"
     warm_workers: int = 4  # workers started ahead of need, so open() and replacements do not wait
+    spawners: int = 2  # threads starting workers in parallel
     call_timeout_s: float = 5.0  # deadline of one reset() or step()
     load_timeout_s: float = 10.0  # deadline of loading a program (its module-level code)
     start_timeout_s: float = 30.0  # deadline of starting one worker
@@ -390,7 +391,7 @@ class SandboxConfig:
     cgroups: bool = True  # per-worker memory and pids cgroups where this process may create them
 
     def check(self) -> None:
-        _positive("sandbox", self, "warm_workers", "call_timeout_s", "load_timeout_s", "start_timeout_s",
+        _positive("sandbox", self, "warm_workers", "spawners", "call_timeout_s", "load_timeout_s", "start_timeout_s",
                   "memory_mb", "cpu_s", "file_size_mb", "open_files", "threads", "scratch_mb", "output_limit_kb",
                   "reply_limit_kb")
         _require(self.memory_mb >= 256, "sandbox.memory_mb", f"must be >= 256 (the interpreter needs it), "
@@ -433,11 +434,11 @@ class SpadeConfig:
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def check(self) -> None:
         """Check every section, then the constraints that span sections."""

@@ -138,7 +138,7 @@ class CgroupTree:
     def __init__(self, hierarchies: list[_Hierarchy], tag: str) -> None:
         self.hierarchies = hierarchies
         self.roots = [os.path.join(h.directory, tag) for h in hierarchies]
-        self._count = 0
+        self._numbers = itertools.count(1)  # next() is atomic: several spawner threads share the tree
 
     @classmethod
     def create(cls, tag: str) -> tuple["CgroupTree | None", str]:
@@ -167,10 +167,10 @@ class CgroupTree:
         return tuple(sorted(c for h in self.hierarchies for c in h.controllers))
 
     def worker(self, memory_bytes: int, pids_max: int) -> WorkerCgroup:
-        self._count += 1
+        number = next(self._numbers)
         directories = []
         for hierarchy, root in zip(self.hierarchies, self.roots):
-            directory = os.path.join(root, f"w{self._count}")
+            directory = os.path.join(root, f"w{number}")
             os.mkdir(directory)
             directories.append(directory)
             limits = {"memory": str(memory_bytes), "pids": str(pids_max)}

@@ -180,9 +180,12 @@ class SandboxPool:
         self._stop = False  # set by close() once every worker is reaped; only then does the spawner thread end
         self._spawn_error: SandboxUnavailable | None = None
         self.isolation: IsolationReport | None = None
-        # bubblewrap's --die-with-parent follows the thread that started it: one long-lived thread starts them all.
-        self._spawner = threading.Thread(target=self._spawn_loop, name="spade-sandbox-spawner", daemon=True)
-        self._spawner.start()
+        self._starting = 0
+        # bubblewrap's --die-with-parent follows the thread that started it: long-lived threads start them all.
+        self._spawners = [threading.Thread(target=self._spawn_loop, name=f"spade-sandbox-spawner-{i}", daemon=True)
+                          for i in range(self.cfg.spawners)]
+        for spawner in self._spawners:
+            spawner.start()
         try:
             self._await_first_worker()
         except BaseException:
@@ -279,8 +282,9 @@ class SandboxPool:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._spawner.is_alive() and threading.current_thread() is not self._spawner:
-            self._spawner.join(timeout=self.cfg.start_timeout_s + 5)
+        for spawner in self._spawners:
+            if spawner.is_alive() and threading.current_thread() is not spawner:
+                spawner.join(timeout=self.cfg.start_timeout_s + 5)
         if self._cgroups is not None:
             self._cgroups.remove()
 
@@ -348,58 +352,69 @@ class SandboxPool:
         backoff = 0.05
         while True:
             with self._cond:
-                while not self._closed and len(self._warm) >= self.cfg.warm_workers:
+                while not self._closed and len(self._warm) + self._starting >= self.cfg.warm_workers:
                     self._cond.wait()
                 if self._closed:
                     while not self._stop:
                         self._cond.wait()
                     return
-            try:
-                worker = spawn(self._launch, self._cgroups)
-                self._accept_isolation(worker)
-            except SandboxUnavailable as exc:
-                if self._fall_back(exc):
-                    continue
-                with self._cond:
-                    self._spawn_error = exc
-                    self._cond.notify_all()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            except Exception as exc:  # noqa: BLE001 - e.g. fork failing under memory pressure: retry, tell waiters
-                with self._cond:
-                    self._spawn_error = SandboxUnavailable(f"starting a sandbox worker failed: {exc}")
-                    self._cond.notify_all()
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.05
+                self._starting += 1
+                launch = self._launch
+            worker, error = self._start_one(launch)
             with self._cond:
-                closed = self._closed
-                if not closed:
+                self._starting -= 1
+                if worker is not None and not self._closed:
                     self._spawn_error = None
                     self._warm.append(worker)
                     self._live.add(worker)
                     self._cond.notify_all()
-            if closed:
+                    backoff = 0.05
+                    continue
+                if error is not None:
+                    self._spawn_error = error
+                    self._cond.notify_all()
+            if worker is not None:  # the pool closed while it started
                 worker.kill()
+            elif error is not None:  # retry later (the machine may be short of memory or processes)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _start_one(self, launch: Launch) -> tuple[WorkerProcess | None, SandboxUnavailable | None]:
+        """A started worker whose isolation is acceptable, or the reason there is none (None, None: retry now)."""
+        try:
+            worker = spawn(launch, self._cgroups)
+        except SandboxUnavailable as exc:
+            return None, None if self._fall_back(exc) else exc
+        except Exception as exc:  # noqa: BLE001 - e.g. fork failing under memory pressure
+            return None, SandboxUnavailable(f"starting a sandbox worker failed: {exc}")
+        try:
+            with self._cond:
+                self._accept_isolation(worker)
+        except SandboxUnavailable as exc:
+            worker.kill()
+            return None, exc
+        return worker, None
 
     def _fall_back(self, exc: SandboxUnavailable) -> bool:
         """best-effort only: when bubblewrap exists but cannot start a sandbox, run workers without it."""
-        if self._plan.required or not self._plan.bwrap or self.isolation is not None:
-            return False
+        with self._cond:
+            if self._plan.required or not self._plan.bwrap or self.isolation is not None:
+                return False
+            if self._launch.plan is not self._plan:  # another spawner already fell back
+                return True
         log.warning("sandbox: bubblewrap could not start a worker (%s); best-effort isolation continues WITHOUT "
                     "bubblewrap: no read-only root, no mount or pid namespace", exc)
-        self._plan = self._plan.without_bwrap()
-        self._launch = Launch(self._plan, self.cfg)
+        with self._cond:
+            self._plan = self._plan.without_bwrap()
+            self._launch = Launch(self._plan, self.cfg)
         return True
 
     def _accept_isolation(self, worker: WorkerProcess) -> None:
+        """Strict: refuse a worker that got less than full isolation. Log what the first worker got (lock held)."""
         report = worker.report
         assert report is not None
         missing = report.missing_for_strict()
         if self._plan.required and missing:
-            worker.kill()
             raise SandboxUnavailable(f"sandbox.isolation is 'strict' but a worker got only: {report.describe()} "
                                      f"(missing: {', '.join(missing)}; {'; '.join(report.problems)})")
         if self.isolation is None:

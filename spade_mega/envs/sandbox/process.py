@@ -14,6 +14,7 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -60,6 +61,7 @@ class WorkerProcess:
         self.stderr_tail = ""
         self._poller = select.poll()
         self._poller.register(rep_r, select.POLLIN)
+        self._kill_lock = threading.Lock()
 
     def call(self, op: str, arg: Any, timeout: float) -> Reply | SandboxError:
         """One request and its reply: the per-step path, so it avoids :func:`exchange`'s bookkeeping."""
@@ -95,20 +97,24 @@ class WorkerProcess:
                 pass
 
     def kill(self) -> None:
-        """Kill the worker and everything in its sandbox, reap the processes and remove its cgroup. Idempotent."""
-        if self.dead:
-            return
-        self.send_kill()
-        self.dead = True
+        """Kill the worker and everything in its sandbox, reap the processes and remove its cgroup. Idempotent,
+        and safe from several threads (a deadline in one, ``pool.close()`` in another)."""
+        with self._kill_lock:
+            if self.dead:
+                return
+            self.send_kill()
+            self.dead = True
+            self._reap()
+
+    def _reap(self) -> None:
         try:  # bubblewrap reaps the worker and exits by itself; its process group goes if it does not
             self.popen.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
-        code = self.popen.returncode
-        self.exit_note = (f"killed by {signal.Signals(-code).name}" if code < 0 else
-                          f"killed by {signal.Signals(code - 128).name}" if code > 128 and code - 128 < 65 else
-                          f"exit status {code}")
+        code = self.popen.returncode  # bubblewrap exits with 128 + N when its worker died of signal N
+        signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else 0
+        self.exit_note = f"killed by {_signal_name(signum)}" if signum else f"exit status {code}"
         if self.cgroup is not None:
             self.cgroup.remove()
         for fd in (self.req_w, self.rep_r, self.pidfd):
@@ -126,6 +132,13 @@ class WorkerProcess:
     def crash_error(self, op: str) -> SandboxCrash:
         self.kill()
         return SandboxCrash(f"the worker died during {op} ({self.exit_note})")
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:

@@ -1,0 +1,1 @@
+"""Repository tools: benchmarks (tools/bench) and conversions; not part of the installed package."""
