@@ -39,7 +39,7 @@ from spade_mega.kernels.dispatch import launch, use_kernel
 from spade_mega.rl.loss import LOG_RATIO_LIMIT, truncated_is_weights
 
 MAX_BLOCK_V = 4096  # vocab elements per loop step: 16 fp32 values per thread at 8 warps, no register spills on sm_90
-BLOCK_T = 1024  # tokens per program in the per-token finalize stage
+BLOCK_T = 512  # tokens per program in the per-token finalize stage (4 a thread)
 NEG_INF = tl.constexpr(float("-inf"))  # a kernel may read a module global only as a constexpr
 
 
