@@ -252,6 +252,13 @@ def test_close_kills_every_worker_and_the_pool_refuses_work() -> None:
         pool.open(program(GUESS_NUMBER))
 
 
+CLINGY = env_source("""
+    import threading, time
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # a non-daemon thread that would outlive main()
+    return "clinging"
+""")
+
+
 def test_killing_the_trainer_takes_every_worker_with_it(tmp_path: Path) -> None:
     if strict_missing():
         pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
@@ -262,7 +269,7 @@ def test_killing_the_trainer_takes_every_worker_with_it(tmp_path: Path) -> None:
         from spade_mega.envs.sandbox import SandboxPool
         from spade_mega.envs.program import EnvProgram
         pool = SandboxPool(SandboxConfig(warm_workers=3, uid={TEST_UID}, gid={TEST_UID}))
-        env = pool.open(EnvProgram({GUESS_NUMBER!r}, "", ""))
+        env = pool.open(EnvProgram({CLINGY!r}, "", ""))
         env.reset(0)
         while pool.warm_workers < 3:
             time.sleep(0.01)

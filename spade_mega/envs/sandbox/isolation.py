@@ -60,9 +60,12 @@ class IsolationPlan:
     required: bool  # strict: any step that fails is fatal
 
     def without_bwrap(self) -> "IsolationPlan":
-        return IsolationPlan(None, self.seccomp_library, self.drop_uid if _runtime_world_readable() else None,
-                             self.drop_gid if _runtime_world_readable() else None, True,
-                             CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, self.required)
+        """The plan for a plain child: it unshares what it can itself, and drops to the sandbox uid only if that uid
+        can still read the interpreter (without bubblewrap's bind mounts a 0700 home would lock it out)."""
+        drop = _runtime_world_readable()
+        return IsolationPlan(None, self.seccomp_library, self.drop_uid if drop else None,
+                             self.drop_gid if drop else None, True, CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
+                             self.required)
 
 
 def plan_isolation(cfg: SandboxConfig) -> IsolationPlan:

@@ -25,8 +25,8 @@ from spade_mega.envs.sandbox.errors import (ContractViolation, LoadError, NonFin
                                              ProgramError, ProtocolError, SandboxError, SandboxUnavailable)
 from spade_mega.envs.sandbox.isolation import IsolationReport, Launch, plan_isolation
 from spade_mega.envs.sandbox.process import Reply, WorkerProcess, exchange, spawn
-from spade_mega.envs.sandbox.worker import (K_PROGRAM, K_REPLY_TOO_LARGE, K_UNSERIALIZABLE, LOAD_KINDS, OP_LOAD,
-                                            OP_RESET, OP_STEP)
+from spade_mega.envs.sandbox.worker import (K_PROGRAM, K_PROTOCOL, K_REPLY_TOO_LARGE, K_UNSERIALIZABLE, LOAD_KINDS,
+                                            OP_LOAD, OP_RESET, OP_STEP)
 
 log = logging.getLogger("spade_mega.sandbox")
 _MAX_INFO_DEPTH = 32
@@ -215,8 +215,8 @@ class SandboxPool:
         for env, seed in pairs:
             if env._closed:
                 raise RuntimeError("this environment handle is closed")
-            if type(seed) is not int:
-                raise TypeError(f"a seed is an int, got {type(seed).__name__}")
+            if type(seed) is not int or not -2**63 <= seed < 2**64:
+                raise TypeError(f"a seed is an int that fits in 64 bits, got {seed!r}")
         results: list[str | SandboxError | None] = [None] * len(pairs)
         stale = [i for i, env in enumerate(envs)
                  if env._worker is None or env._worker.busy_s > self.cfg.cpu_s / 2]
@@ -448,7 +448,7 @@ class SandboxPool:
         if kind in LOAD_KINDS:
             return LoadError(kind, message, reply.output)
         error_type = {K_PROGRAM: ProgramError, K_UNSERIALIZABLE: ContractViolation,
-                      K_REPLY_TOO_LARGE: OutputLimitExceeded}.get(kind)
+                      K_REPLY_TOO_LARGE: OutputLimitExceeded, K_PROTOCOL: ProtocolError}.get(kind)
         if error_type is None:
             return ProtocolError(f"unknown error kind {kind[:40]!r} from the worker during {op}", reply.output)
         return error_type(message, reply.output)

@@ -89,10 +89,23 @@ class WorkerProcess:
                     return result
 
     def send_kill(self) -> None:
-        """SIGKILL the worker without waiting (the pool sends it to many workers, then reaps them all)."""
-        if self.pidfd is not None and not self.dead:
+        """SIGKILL the worker without waiting (the pool sends it to many workers, then reaps them all).
+
+        Under bubblewrap the worker is pid 1 of its pid namespace, so its death takes every process of the sandbox
+        with it, and bubblewrap, its parent, reaps it and exits (its process group is killed only if it lingers, as
+        killing it first would orphan the worker). Without bubblewrap the worker leads its own process group: the
+        whole group is killed.
+        """
+        if self.dead:
+            return
+        if self.pidfd is not None:
             try:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.pid == self.popen.pid:  # no bubblewrap; the group id cannot be reused before we reap the leader
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

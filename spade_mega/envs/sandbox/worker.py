@@ -27,6 +27,7 @@ import ctypes
 import errno
 import json
 import os
+import signal
 import struct
 import sys
 import traceback
@@ -58,7 +59,7 @@ DENIED_SYSCALLS = (
 
 CLONE_THREAD = 0x00010000
 CLONE_NEWUSER = 0x10000000
-PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 4, 24, 47, 4
 
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_ACT_KILL_PROCESS = 0x80000000
@@ -292,15 +293,11 @@ def _describe(exc: BaseException, limit: int = 2000) -> str:
     return (text[: limit - len(where)] + where) if len(text) + len(where) > limit else text + where
 
 
-def _read_exact(fd: int, n: int) -> bytes:
-    chunks, missing = [], n
-    while missing:
-        chunk = os.read(fd, missing)
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        missing -= len(chunk)
-    return b"".join(chunks)
+def _read_some(fd: int) -> bytes:
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+        raise EOFError
+    return chunk
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -330,6 +327,9 @@ def harden(settings: dict) -> dict:
     if settings["drop_uid"] is not None or settings["user_namespace"]:
         attempt("privileges", drop_privileges, settings["drop_uid"], settings["drop_gid"], settings["user_namespace"],
                 settings["extra_namespaces"])
+    # Die with the parent (bubblewrap, or the trainer's spawner thread without it). Set after the uid change, which
+    # clears the setting bubblewrap made, and before any program code can start a thread that would outlive us.
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     attempt("rlimits", set_rlimits, settings["rlimits"])
     keep = sorted({settings["req_fd"], settings["rep_fd"]})
     low = 3
@@ -352,12 +352,18 @@ def serve(settings: dict, capture: Capture) -> None:
     host = Host(settings["module_name"], settings["max_reply"])
     handlers = {OP_LOAD: host.load, OP_RESET: host.reset, OP_STEP: host.step}
     packb, unpackb, frame = msgpack.packb, msgpack.unpackb, FRAME
+    pending = b""  # one read usually brings a whole request: length prefix and body together
     while True:
         try:
-            (size,) = frame.unpack(_read_exact(req, 4))
-            seq, op, arg = unpackb(_read_exact(req, size))
-        except EOFError:
-            return
+            while len(pending) < 4:
+                pending += _read_some(req)
+            (size,) = frame.unpack_from(pending)
+            while len(pending) < 4 + size:
+                pending += _read_some(req)
+        except EOFError:  # the trainer closed the pipe: leave at once, whatever threads the program started
+            os._exit(0)
+        seq, op, arg = unpackb(pending[4:4 + size])
+        pending = pending[4 + size:]
         try:
             value, status = handlers[op](arg), ST_OK
         except Failure as failure:
