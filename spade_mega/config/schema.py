@@ -424,6 +424,18 @@ class ValidationConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Triton kernels for the GRPO hot spots (spade_mega.kernels). Enabled, they run on CUDA tensors (and on CPU under
+    TRITON_INTERPRET=1); elsewhere, and when disabled, the plain-torch references run. Off by default: the CPU demo and
+    tests gain nothing from the interpreter."""
+
+    enabled: bool = False
+
+    def check(self) -> None:
+        """A single switch: nothing to check against."""
+
+
+@dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
 
@@ -439,6 +451,7 @@ class SpadeConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     def check(self) -> None:
         """Check every section, then the constraints that span sections."""
