@@ -31,6 +31,7 @@ setup(
         "rich",
         "nvidia-ml-py",
         "pyarrow",  # corpus loading: Parquet and Hugging Face datasets saved to disk
+        "psutil",  # megatron-core dist_checkpointing save workers need it (an optional import there)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis"],

@@ -1,0 +1,240 @@
+"""Training samples and their packing into micro-batches by a token budget.
+
+A :class:`TrainSample` is one trajectory of either role, all turns in one token sequence (prompt, the model's turns,
+the environment's observations). Per-token values are aligned with ``tokens``: ``x[t]`` belongs to token ``t``,
+predicted from ``tokens[:t]``, so ``loss_mask[0]`` is always false. Only the model's own tokens are in the loss mask.
+
+Packing (:func:`pack`) is deterministic and needs no communication: every rank is given the same global batch and
+computes the same plan. Samples are spread over data-parallel ranks balancing tokens, then packed first-fit-decreasing
+into rows of at most ``token_budget`` tokens. A row holds whole samples back to back; attention never crosses a sample
+boundary (a block-diagonal causal mask on the local spec, ``cu_seqlens`` for Transformer Engine). Every data-parallel
+rank runs the same number of micro-batches (expert-parallel all-to-alls span data-parallel ranks); ranks with fewer
+get empty ones. Row lengths are padded only to what sequence / context parallelism need (pipeline stages exchange
+each micro-batch's shape, so rows need not share one length).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+
+from spade_mega.errors import SpadeError
+
+Role = Literal["agent", "designer"]
+ROLES: tuple[Role, ...] = ("agent", "designer")
+
+
+class BatchError(SpadeError):
+    """A training sample or batch that cannot be trained on (the message names the sample and the field)."""
+
+
+def _as_1d(value: Any, dtype: torch.dtype, name: str, index: Optional[int]) -> torch.Tensor:
+    tensor = torch.as_tensor(value).detach().cpu()
+    if tensor.dim() != 1:
+        where = f"sample {index}: " if index is not None else ""
+        raise BatchError(f"{where}{name} must be 1-D (one value per token), got shape {tuple(tensor.shape)}")
+    return tensor.to(dtype)
+
+
+@dataclass
+class TrainSample:
+    """One trajectory for the GRPO step. ``old_logprobs`` (the trainer's own log-probs before the update) are
+    computed by the trainer with a no-grad forward when None; ``rollout_logprobs`` are the behaviour policy's, as the
+    inference engine reported them (delayed designer samples: the policy of several steps ago), for truncated IS."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    role: Role = "agent"
+    rollout_logprobs: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    index: Optional[int] = field(default=None, compare=False)  # position in its batch, for error messages
+
+    def __post_init__(self) -> None:
+        i = self.index
+        self.tokens = _as_1d(self.tokens, torch.long, "tokens", i)
+        self.loss_mask = _as_1d(self.loss_mask, torch.bool, "loss_mask", i)
+        self.advantages = _as_1d(self.advantages, torch.float32, "advantages", i)
+        n = self.tokens.numel()
+        where = f"sample {i}: " if i is not None else ""
+        if n < 2:
+            raise BatchError(f"{where}needs at least 2 tokens (a prompt token and a generated one), got {n}")
+        if self.role not in ROLES:
+            raise BatchError(f"{where}role must be one of {ROLES}, got {self.role!r}")
+        for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = _as_1d(value, torch.bool if name == "loss_mask" else torch.float32, name, i)
+            if value.numel() != n:
+                raise BatchError(f"{where}{name} has {value.numel()} values for {n} tokens")
+            setattr(self, name, value)
+        if self.loss_mask[0]:
+            raise BatchError(f"{where}loss_mask[0] is true, but the first token has no prefix to predict it from")
+        if int(self.tokens.min()) < 0:
+            raise BatchError(f"{where}tokens must be >= 0")
+        for name in ("advantages", "rollout_logprobs", "old_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not bool(torch.isfinite(value[self.loss_mask]).all()):
+                raise BatchError(f"{where}{name} is not finite on a loss-mask token")
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def samples_from(records: Sequence[TrainSample]) -> list[TrainSample]:
+    """Copy a batch, numbering each sample (its ``index``) by position."""
+    if not records:
+        raise BatchError("the batch is empty")
+    return [TrainSample(s.tokens, s.loss_mask, s.advantages, s.role, s.rollout_logprobs, s.old_logprobs, index=i)
+            for i, s in enumerate(records)]
+
+
+@dataclass
+class MicroBatch:
+    """One packed row, shapes [1, L]. ``labels[t] = tokens[t + 1]`` within a sample; per-token values are shifted
+    the same way (position t carries the values of the token it predicts). ``sample_ids`` is -1 on padding."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor]
+    sample_ids: torch.Tensor
+    cu_seqlens: torch.Tensor  # segment boundaries (samples, then padding), int32
+    samples: list[int]  # indices in the global batch, in row order
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, L, L] bool, True = masked: causal inside each segment, nothing across segments."""
+        seg = torch.repeat_interleave(torch.arange(self.cu_seqlens.numel() - 1), torch.diff(self.cu_seqlens).long())
+        same = seg[:, None] == seg[None, :]
+        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
+        return ~(same & causal)[None, None]
+
+    def packed_seq_params(self) -> Any:
+        """Transformer Engine's THD description of the row (attention per segment, RoPE restarting per segment)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(torch.int32)
+        longest = int(torch.diff(cu).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                               max_seqlen_kv=longest)
+
+
+@dataclass
+class PackPlan:
+    """Micro-batches per data-parallel rank (each rank runs ``micro_batches[dp_rank]``, all the same count)."""
+
+    micro_batches: list[list[MicroBatch]]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches[0])
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, math.ceil(value / multiple) * multiple)
+
+
+def _assign_ranks(samples: Sequence[TrainSample], dp: int) -> list[list[TrainSample]]:
+    load = [0] * dp
+    shares: list[list[TrainSample]] = [[] for _ in range(dp)]
+    for sample in sorted(samples, key=lambda s: (-len(s), s.index)):
+        rank = min(range(dp), key=lambda r: (load[r], r))
+        load[rank] += len(sample)
+        shares[rank].append(sample)
+    return shares
+
+
+def _bins(samples: Sequence[TrainSample], budget: int) -> list[list[TrainSample]]:
+    bins: list[list[TrainSample]] = []
+    room: list[int] = []
+    for sample in sorted(samples, key=lambda s: (-len(s), s.index)):
+        for b, free in enumerate(room):
+            if len(sample) <= free:
+                bins[b].append(sample)
+                room[b] -= len(sample)
+                break
+        else:
+            bins.append([sample])
+            room.append(budget - len(sample))
+    return [sorted(b, key=lambda s: s.index) for b in bins]
+
+
+def _row(samples: Sequence[TrainSample], length: int) -> MicroBatch:
+    tokens = torch.zeros(length, dtype=torch.long)
+    positions = torch.zeros(length, dtype=torch.long)
+    labels = torch.zeros(length, dtype=torch.long)
+    mask = torch.zeros(length, dtype=torch.bool)
+    adv = torch.zeros(length)
+    old = torch.zeros(length)
+    rollout = torch.zeros(length) if any(s.rollout_logprobs is not None for s in samples) else None
+    ids = torch.full((length,), -1, dtype=torch.long)
+    bounds = [0]
+    at = 0
+    for s in samples:
+        n = len(s)
+        end = at + n
+        tokens[at:end] = s.tokens
+        positions[at:end] = torch.arange(n)
+        labels[at:end - 1] = s.tokens[1:]
+        mask[at:end - 1] = s.loss_mask[1:]
+        adv[at:end - 1] = s.advantages[1:]
+        if s.old_logprobs is not None:
+            old[at:end - 1] = s.old_logprobs[1:]
+        if rollout is not None:
+            if s.rollout_logprobs is None:
+                raise BatchError(f"sample {s.index}: rollout_logprobs missing while other samples of the batch "
+                                 "have them (give them for all samples or none)")
+            rollout[at:end - 1] = s.rollout_logprobs[1:]
+        ids[at:end] = s.index
+        bounds.append(end)
+        at = end
+    if at < length:
+        positions[at:] = torch.arange(length - at)
+        bounds.append(length)
+    return MicroBatch(tokens=tokens[None], position_ids=positions[None], labels=labels[None], loss_mask=mask[None],
+                      advantages=adv[None], old_logprobs=old[None],
+                      rollout_logprobs=None if rollout is None else rollout[None], sample_ids=ids[None],
+                      cu_seqlens=torch.tensor(bounds, dtype=torch.int32), samples=[s.index for s in samples])
+
+
+def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: int = 1, length_multiple: int = 1,
+         count_multiple: int = 1) -> PackPlan:
+    """Plan the micro-batches of a global batch.
+
+    ``length_multiple``: every row length is a multiple of it (TP for sequence parallelism, 2*CP for context
+    parallelism). ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline schedule needs PP).
+    """
+    if not samples:
+        raise BatchError("the batch is empty")
+    if token_budget < 2:
+        raise BatchError(f"token budget (parallel.max_tokens_per_gpu) must be >= 2, got {token_budget}")
+    for s in samples:
+        if s.index is None:
+            raise BatchError("samples must be numbered: build the batch with samples_from()")
+        if len(s) > token_budget:
+            raise BatchError(f"sample {s.index} has {len(s)} tokens, more than the micro-batch token budget "
+                             f"parallel.max_tokens_per_gpu = {token_budget}; raise it or cap the rollout length")
+    per_rank = [_bins(share, token_budget) for share in _assign_ranks(samples, data_parallel)]
+    count = max(len(bins) for bins in per_rank)
+    count = math.ceil(count / count_multiple) * count_multiple
+    plan = []
+    for bins in per_rank:
+        bins = bins + [[] for _ in range(count - len(bins))]
+        lengths = [_round_up(sum(len(s) for s in b), length_multiple) for b in bins]
+        plan.append([_row(b, n) for b, n in zip(bins, lengths)])
+    return PackPlan(plan)

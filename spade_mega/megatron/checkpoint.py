@@ -1,0 +1,251 @@
+"""Distributed checkpoints of the trainer: model, optimizer state and learning-rate schedule, in Megatron's
+``torch_dist`` format, loadable by any other parallel layout (TP / PP / EP / DP reshard on load).
+
+Atomic: every rank writes into ``root/.step_<N>.partial-<id>``; once all ranks are done, rank 0 adds the manifest
+``spade_checkpoint.json``, fsyncs the files and renames the folder to ``root/step_<N>``. A folder is a checkpoint only
+if it has that name *and* the manifest, so a save killed at any point leaves either nothing new or a hidden partial
+folder that loading refuses and the next save removes. The newest checkpoint is found by scanning (no ``latest``
+pointer that could disagree with the folders).
+
+The optimizer state is saved ``fully_reshardable`` (per parameter, not as Megatron's internal flat buffers), which is
+what lets a different layout load it; before the first update there is no optimizer state and only the model is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from spade_mega.errors import SpadeError
+
+if TYPE_CHECKING:
+    from spade_mega.megatron.train import Trainer
+
+MANIFEST = "spade_checkpoint.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Optimizer state per parameter (any layout can load it), gathered over gloo on each data-parallel group's first rank
+# rather than all-gathered on every rank, and keyed by parameter name only: a layout with separate dense and expert
+# optimizers (EP, or a different expert-data-parallel group) and one with a single optimizer use the same keys.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                       "distrib_optim_fully_reshardable_mem_efficient": True,
+                       "chained_optim_avoid_prefix": True}
+
+
+class CheckpointError(SpadeError):
+    """A checkpoint that cannot be used (missing, incomplete, or from an incompatible model)."""
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    path = Path(path)
+    return bool(_STEP_DIR.match(path.name)) and (path / MANIFEST).is_file()
+
+
+def find_latest(root: str | Path) -> Optional[Path]:
+    """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    complete = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return max(complete, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)  # type: ignore[union-attr]
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST} in a step_<N> folder): "
+                              "its save was interrupted; load an earlier one")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path / MANIFEST}: invalid JSON ({exc.msg})") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')!r}, this version reads "
+                              f"{FORMAT_VERSION}")
+    return manifest
+
+
+def _model_state(trainer: "Trainer") -> dict[str, Any]:
+    chunks = [chunk.module for chunk in trainer.model]  # unwrap DDP
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _optimizer_has_state(trainer: "Trainer") -> bool:
+    """False until the first update: Adam has no moments yet, and Megatron cannot describe an empty state."""
+    optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    return any(len(opt.optimizer.state) for opt in optimizers)
+
+
+def _sharded_state(trainer: "Trainer", is_loading: bool, with_optimizer: bool) -> dict[str, Any]:
+    state = _model_state(trainer)
+    if with_optimizer:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                                  metadata=_OPTIMIZER_METADATA)
+    state["scheduler"] = trainer.scheduler.state_dict()
+    state["step"] = trainer.step
+    return state
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+# Hyper-parameters the learning-rate scheduler owns: not part of a param group's identity across a resume.
+_SCHEDULED = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def _matching_group(current: dict[str, Any], saved_groups: list[dict[str, Any]], path: Path) -> dict[str, Any]:
+    """The saved param group (hyper-parameters and Adam's step) with the same identity as ``current``: Megatron's
+    identifier keys, except the scheduled values and whether the group belongs to an expert optimizer (a property of
+    the layout). The result carries ``current``'s identifiers, which is how Megatron pairs them up when loading."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel" and k not in _SCHEDULED]
+    same = [g for g in saved_groups if all(g.get(k) == current.get(k) for k in keys)]
+    if not same:
+        raise CheckpointError(f"{path}: no saved optimizer parameter group matches "
+                              f"{ {k: current.get(k) for k in keys} }")
+    chosen = next((g for g in same if g.get("is_expert_parallel") == current.get("is_expert_parallel")), same[0])
+    return {**chosen, **{k: current[k] for k in param_group_identifier_keys if k in current}}
+
+
+def _restructure_optimizer_state(trainer: "Trainer", loaded: Any, path: Path) -> Any:
+    """The loaded optimizer state in the structure of this trainer's optimizer.
+
+    Megatron chains one optimizer per gradient-reduction domain: dense parameters, and experts when they reduce over
+    their own expert-data-parallel group (EP > 1, or expert TP != TP). So an EP layout saves two entries and a TP1
+    layout expects one, though the content is the same: the per-parameter tensors (keyed by parameter name) load
+    either way, and the parameter groups (hyper-parameters and Adam's step) are matched by identity."""
+    from megatron.core import dist_checkpointing
+
+    optimizers = _chained(trainer.optimizer)
+    saved = dist_checkpointing.load_common_state_dict(str(path))["optimizer"]
+    saved_entries = [saved[k] for k in sorted(saved)] if all(isinstance(k, int) for k in saved) else [saved]
+    param_states = [loaded[i]["param_state"] for i in range(len(optimizers))] if len(optimizers) > 1 \
+        else [loaded["param_state"]]
+    groups = [g for entry in saved_entries for g in entry["optimizer"]["param_groups"]]
+    adapted = [{**saved_entries[0], "param_state": param_state,
+                "optimizer": {"param_groups": [_matching_group(g, groups, path) for g in opt.optimizer.param_groups]}}
+               for opt, param_state in zip(optimizers, param_states)]
+    return adapted[0] if len(adapted) == 1 else dict(enumerate(adapted))
+
+
+def _architecture(trainer: "Trainer") -> dict[str, Any]:
+    m = trainer.model_cfg
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+            "ffn_hidden_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "vocab_size",
+            "tie_embeddings")
+    return {k: getattr(m, k) for k in keys}
+
+
+def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
+    """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
+
+    ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = step_dir(root, trainer.step)
+    rank = dist.get_rank()
+    name = [None]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.partial-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        name = [f".{final.name}.partial-{uuid.uuid4().hex[:12]}"]
+        (root / name[0]).mkdir()
+    dist.broadcast_object_list(name, src=0)
+    partial = root / str(name[0])
+    dist.barrier()
+    with_optimizer = _optimizer_has_state(trainer)
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer), str(partial))
+    dist.barrier()
+    if rank == 0:
+        manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
+                    "layout": trainer.layout.describe(),
+                    "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _fsync_tree(partial)
+        if final.exists():  # the same step saved before: replace it only now that the new one is complete
+            old = root / f".{final.name}.replaced-{uuid.uuid4().hex[:12]}"
+            os.rename(final, old)
+            os.rename(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(partial, final)
+        _fsync(root)
+        if keep is not None:
+            complete = sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=lambda p: p.name)
+            for old_checkpoint in complete[:-keep] if keep > 0 else []:
+                shutil.rmtree(old_checkpoint, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
+    """Load model, optimizer and schedule into ``trainer`` (any layout); returns the checkpoint's step.
+
+    ``path`` is a ``step_<N>`` folder or a root holding them (then the newest complete one is loaded)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if path.is_dir() and not _STEP_DIR.match(path.name) and not path.name.startswith("."):
+        latest = find_latest(path)
+        if latest is None:
+            raise CheckpointError(f"{path}: holds no complete checkpoint (step_<N> folder with {MANIFEST})")
+        path = latest
+    manifest = read_manifest(path)
+    expected = _architecture(trainer)
+    if manifest.get("architecture") != expected:
+        diff = {k: (manifest.get("architecture", {}).get(k), v) for k, v in expected.items()
+                if manifest.get("architecture", {}).get(k) != v}
+        raise CheckpointError(f"{path}: saved for another model architecture (saved, configured): {diff}")
+    with_optimizer = bool(manifest.get("optimizer_state"))
+    state = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer),
+                                    str(path))
+    chunks = [chunk.module for chunk in trainer.model]
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+    if with_optimizer:
+        trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
+    else:  # saved before the first update: the optimizer starts fresh, as it did then
+        trainer.optimizer.reload_model_params()
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.step = int(state["step"])
+    if trainer.step != manifest["step"]:
+        raise CheckpointError(f"{path}: manifest step {manifest['step']} but saved state step {trainer.step}")
+    torch.distributed.barrier()
+    return trainer.step

@@ -1,0 +1,159 @@
+"""Parallel setup from the ``parallel`` config section: validate the layout against the world size and the model's
+shape (one clear :class:`ConfigError` naming the keys), start torch.distributed, build Megatron's process groups and
+seed every random number generator deterministically.
+
+Sizes: ``tensor`` (TP), ``pipeline`` (PP, with ``virtual_pipeline`` stages per rank), ``context`` (CP) and data
+parallel (DP, whatever the world size leaves) for the dense part; ``expert`` (EP) x ``expert_tensor`` (ETP, default
+TP) x expert-data for the experts. Both grids must tile the same world: world = TP*CP*DP*PP = ETP*EP*EDP*PP.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.schema import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A validated layout: every size, including the derived data-parallel ones."""
+
+    world_size: int
+    tensor: int
+    sequence_parallel: bool
+    pipeline: int
+    virtual_pipeline: Optional[int]
+    context: int
+    expert: int
+    expert_tensor: int
+    data: int
+    expert_data: int
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tensor}" + ("+SP" if self.sequence_parallel else ""), f"PP{self.pipeline}"]
+        if self.virtual_pipeline:
+            parts.append(f"VPP{self.virtual_pipeline}")
+        if self.context > 1:
+            parts.append(f"CP{self.context}")
+        parts += [f"EP{self.expert}", f"ETP{self.expert_tensor}", f"DP{self.data}"]
+        return " ".join(parts)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> ParallelLayout:
+    """Check ``parallel`` against ``world_size`` processes and the model's shape; return the full layout."""
+    parallel.check()
+    _require(world_size >= 1, "parallel", f"world size must be >= 1, got {world_size}")
+    tp, pp, cp, ep = parallel.tensor, parallel.pipeline, parallel.context, parallel.expert
+    etp = parallel.expert_tensor or tp
+    vpp = parallel.virtual_pipeline
+    dense = tp * pp * cp
+    _require(world_size % dense == 0, "parallel.tensor",
+             f"parallel.tensor x parallel.pipeline x parallel.context = {tp} x {pp} x {cp} = {dense} must divide "
+             f"the world size ({world_size} processes)")
+    sparse = etp * ep * pp
+    _require(world_size % sparse == 0, "parallel.expert",
+             f"parallel.expert_tensor x parallel.expert x parallel.pipeline = {etp} x {ep} x {pp} = {sparse} must "
+             f"divide the world size ({world_size} processes)")
+
+    _require(model.num_attention_heads % tp == 0, "parallel.tensor",
+             f"must divide model.num_attention_heads ({model.num_attention_heads}), got {tp}")
+    _require(model.num_query_groups % tp == 0, "parallel.tensor",
+             f"must divide model.num_query_groups ({model.num_query_groups}), got {tp}")
+    _require(model.vocab_size % tp == 0, "parallel.tensor",
+             f"must divide model.vocab_size ({model.vocab_size}), got {tp}")
+    stages = pp * (vpp or 1)
+    _require(model.num_layers % stages == 0, "parallel.virtual_pipeline" if vpp else "parallel.pipeline",
+             f"parallel.pipeline x parallel.virtual_pipeline = {stages} model chunks must divide model.num_layers "
+             f"({model.num_layers})")
+    _require(not parallel.sequence_parallel or tp > 1, "parallel.sequence_parallel", "needs parallel.tensor > 1")
+    if model.num_experts:
+        _require(model.num_experts % ep == 0, "parallel.expert",
+                 f"must divide model.num_experts ({model.num_experts}), got {ep}")
+        _require(model.moe_ffn_hidden_size % etp == 0, "parallel.expert_tensor",
+                 f"must divide model.moe_ffn_hidden_size ({model.moe_ffn_hidden_size}), got {etp}")
+        _require(tp == 1 or parallel.sequence_parallel, "parallel.sequence_parallel",
+                 "must be true when a mixture-of-experts model uses parallel.tensor > 1 (Megatron-Core requires it)")
+    else:
+        _require(ep == 1, "parallel.expert", "needs a mixture-of-experts model (model.num_experts > 0)")
+        _require(model.ffn_hidden_size % tp == 0, "parallel.tensor",
+                 f"must divide model.ffn_hidden_size ({model.ffn_hidden_size}), got {tp}")
+    return ParallelLayout(world_size=world_size, tensor=tp, sequence_parallel=parallel.sequence_parallel,
+                          pipeline=pp, virtual_pipeline=vpp, context=cp, expert=ep, expert_tensor=etp,
+                          data=world_size // dense, expert_data=world_size // sparse)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> int:
+    """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU.
+
+    Under torchrun / srun the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT variables are used.
+    Returns the world size.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_world_size()
+
+
+def initialize(layout: ParallelLayout, seed: int) -> None:
+    """Build Megatron's process groups for ``layout`` (replacing any previous ones) and seed all generators."""
+    from megatron.core import parallel_state as ps
+
+    if dist.get_world_size() != layout.world_size:
+        raise ConfigError("parallel", f"layout was resolved for {layout.world_size} processes, "
+                                      f"but {dist.get_world_size()} are running")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.context,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
+    )
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank for the host generators (so CPU-initialised weights agree across tensor-parallel
+    ranks), and Megatron's model-parallel tracker (distinct streams per TP / EP rank where Megatron wants them)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the default process group (tests and tools that run several layouts)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

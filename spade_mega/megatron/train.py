@@ -1,0 +1,307 @@
+"""The GRPO training step on Megatron-Core: one optimizer step over a global batch of variable-length samples.
+
+Every rank is given the same global batch (a list of :class:`~spade_mega.megatron.batch.TrainSample`); each takes
+its data-parallel share, packed into micro-batches by the ``parallel.max_tokens_per_gpu`` token budget, and runs
+Megatron's pipeline schedule (no pipelining, 1F1B or interleaved, as the layout needs) with the GRPO loss on the last
+stage. Gradients are reduced by Megatron's DDP and ``finalize_model_grads``, clipped and applied by Megatron's
+(distributed) optimizer.
+
+Normalisation: the loss of the whole global batch is ``sum(token losses) / N`` with N the global count of
+:func:`spade_mega.rl.loss.loss_normalizer` (every rank computes it from the batch it was given). Each micro-batch
+contributes its share; Megatron divides each micro-batch loss by the micro-batch count and DDP averages over
+data-parallel ranks, so shares are multiplied by both, and the summed gradients are those of the full-batch loss
+whatever the layout. The MoE load-balancing loss is added by Megatron's routers with the same averaging.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.megatron import compat
+from spade_mega.megatron.batch import BatchError, MicroBatch, PackPlan, TrainSample, pack, samples_from
+from spade_mega.megatron.objective import Objective, select_objective
+from spade_mega.megatron.parallel import ParallelLayout, init_distributed, initialize, resolve_layout
+from spade_mega.megatron.providers import (
+    Backend,
+    build_model_chunks,
+    resolve_model_config,
+    select_backend,
+    transformer_config,
+)
+from spade_mega.rl.loss import loss_normalizer
+
+# metrics of spade_mega.rl.loss.policy_loss combined over micro-batches weighted by their loss tokens
+_MEAN_METRICS = ("pg_loss", "clip_frac", "approx_kl")
+_TIS_METRICS = ("tis_ratio_mean", "tis_truncated_frac")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one call of :meth:`Trainer.train_step` did. ``metrics`` are global (identical on every rank)."""
+
+    step: int
+    updated: bool  # False when the optimizer skipped the update (non-finite gradients)
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """A Qwen3-MoE policy on Megatron-Core with its optimizer, trained by GRPO steps.
+
+    Construct it on every rank (under torchrun / srun, or as a single process); it joins torch.distributed, builds
+    the process groups of ``cfg.parallel`` and the model of ``cfg.model``. ``temperature`` is the rollout sampling
+    temperature the log-probs are computed at (default ``cfg.rollout.temperature``); ``total_steps`` is the horizon
+    of a decaying learning-rate schedule (default ``cfg.selfplay.num_rollouts``).
+    """
+
+    def __init__(self, cfg: SpadeConfig, *, temperature: Optional[float] = None,
+                 total_steps: Optional[int] = None) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        compat.install()
+        if cfg.rl.kl_coef > 0:
+            raise ConfigError("rl.kl_coef", "the Megatron trainer keeps no reference model, so KL to a reference "
+                                            "policy is unavailable; set rl.kl_coef: 0 (the SPADE recipe's value)")
+        self.cfg = cfg
+        self.model_cfg = resolve_model_config(cfg.model)
+        self.backend: Backend = select_backend()
+        self.layout: ParallelLayout = resolve_layout(cfg.parallel, self.model_cfg, init_distributed())
+        if self.layout.context > 1:
+            raise ConfigError("parallel.context", "context parallelism is not supported by the GRPO train step "
+                                                  "(a sample's log-probs would have to be gathered across "
+                                                  "context-parallel ranks); use parallel.context: 1")
+        initialize(self.layout, cfg.run.seed)
+        self.config = transformer_config(self.model_cfg, cfg.parallel, self.backend)
+        chunks = build_model_chunks(self.model_cfg, self.config, self.backend)
+
+        opt = cfg.optimizer
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=opt.distributed)
+        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                            clip_grad=opt.clip_grad, use_distributed_optimizer=opt.distributed,
+                            bf16=self.config.bf16, params_dtype=self.config.params_dtype),
+            self.model)
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        horizon = max(total_steps or cfg.selfplay.num_rollouts, opt.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+            lr_warmup_steps=opt.warmup_steps, lr_decay_steps=horizon, lr_decay_style=opt.lr_schedule,
+            start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=horizon, wd_incr_style="constant")
+        self.objective: Objective = select_objective(cfg.rl, temperature or cfg.rollout.temperature)
+        self.step = 0
+        self._ps = ps
+
+    # --- layout helpers ---------------------------------------------------------------------------------------
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self._ps.is_pipeline_last_stage()
+
+    @property
+    def reports_metrics(self) -> bool:
+        """One rank per data-parallel replica owns the loss values: last stage, tensor-parallel rank 0."""
+        return self.is_last_stage and self._ps.get_tensor_model_parallel_rank() == 0
+
+    def _plan(self, batch: Sequence[TrainSample]) -> PackPlan:
+        return pack(batch, token_budget=self.cfg.parallel.max_tokens_per_gpu, data_parallel=self.layout.data,
+                    length_multiple=self.layout.tensor if self.layout.sequence_parallel else 1,
+                    count_multiple=self.layout.pipeline if self.layout.virtual_pipeline else 1)
+
+    def _check(self, batch: Sequence[TrainSample]) -> None:
+        vocab = self.model_cfg.vocab_size
+        for s in batch:
+            if int(s.tokens.max()) >= vocab:
+                raise BatchError(f"sample {s.index}: token id {int(s.tokens.max())} is outside the vocabulary "
+                                 f"(model.vocab_size = {vocab})")
+
+    def _model_inputs(self, mb: MicroBatch) -> dict[str, Any]:
+        device = self.backend.device
+        inputs: dict[str, Any] = dict(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device))
+        if self.backend.te:
+            inputs.update(attention_mask=None, packed_seq_params=mb.packed_seq_params())
+        else:
+            inputs.update(attention_mask=mb.attention_mask().to(device))
+        return inputs
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], loss_fn: Callable[[MicroBatch, torch.Tensor], Any],
+                      forward_only: bool) -> None:
+        """Megatron's forward(-backward) schedule over this rank's micro-batches; ``loss_fn`` runs on the last stage."""
+        from functools import partial
+
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
+            mb = next(data_iterator)
+            return model(**self._model_inputs(mb)), partial(loss_fn, mb)
+
+        iterators: Any = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iterators, model=self.model,
+                                    num_microbatches=len(micro_batches), seq_length=micro_batches[0].length,
+                                    micro_batch_size=1, forward_only=forward_only)
+
+    @contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for chunk in self.model:
+                chunk.train()
+
+    # --- public API -------------------------------------------------------------------------------------------
+
+    def _forward_collect(self, samples: Sequence[TrainSample], width: int,
+                         values_of: Callable[[MicroBatch, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """No-grad forward of ``samples``; ``values_of(mb, logits)`` gives [L, width] values per row position,
+        returned per sample in token alignment ([n, width]; row 0, which has no prefix, is zero) on every rank."""
+        batch = samples_from(samples)
+        self._check(batch)
+        offsets = [0]
+        for s in batch:
+            offsets.append(offsets[-1] + len(s))
+        flat = torch.zeros(offsets[-1], width, dtype=torch.float32)
+
+        def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            values = values_of(mb, logits).reshape(mb.length, width).float().cpu()
+            if self.reports_metrics:
+                for i, start, end in self._segments(mb):
+                    # row position t predicts token t + 1: shift into token alignment
+                    flat[offsets[i] + 1: offsets[i] + end - start] = values[start:end - 1]
+            return logits.new_zeros(()), {}
+
+        with self._eval_mode():
+            self._run_schedule(self._plan(batch).micro_batches[self._ps.get_data_parallel_rank()], collect,
+                               forward_only=True)
+        dist.all_reduce(flat)  # exactly one rank per sample wrote its values; the others hold zeros
+        return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(batch))]
+
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """Per-token log-probs of every sample under the current weights (no-grad forward), on every rank.
+
+        Aligned with ``tokens``: entry t is log p(tokens[t] | tokens[:t]) at the objective's temperature; entry 0
+        (no prefix) is 0."""
+        objective = self.objective
+
+        def values_of(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            return objective.token_logprobs(logits, mb.labels.to(logits.device), objective.temperature)
+
+        return [v[:, 0] for v in self._forward_collect(samples, 1, values_of)]
+
+    def logits(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """Full-vocabulary logits [n, vocab] of every sample (row t: the distribution of token t given tokens[:t];
+        row 0 is zero), gathered over tensor-parallel ranks, on every rank. For checks and conversions: it moves
+        the whole vocabulary, which the training step never does."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        def values_of(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            return gather_from_tensor_model_parallel_region(logits)
+
+        return self._forward_collect(samples, self.model_cfg.vocab_size, values_of)
+
+    @staticmethod
+    def _segments(mb: MicroBatch) -> Iterator[tuple[int, int, int]]:
+        bounds = mb.cu_seqlens.tolist()
+        for k, sample in enumerate(mb.samples):
+            yield sample, bounds[k], bounds[k + 1]
+
+    def train_step(self, samples: Sequence[TrainSample]) -> StepResult:
+        """One GRPO optimizer step over the global batch ``samples`` (the same list on every rank).
+
+        Samples without ``old_logprobs`` get them from a no-grad forward of the current weights first."""
+        start = time.perf_counter()
+        batch = samples_from(samples)
+        self._check(batch)
+        missing = [s for s in batch if s.old_logprobs is None]
+        if missing:
+            for s, values in zip(missing, self.logprobs(missing)):
+                s.old_logprobs = values
+        aggregation = self.cfg.rl.loss_aggregation
+        normalizer = sum(loss_normalizer(s.loss_mask[None], aggregation) for s in batch)
+        if normalizer == 0:
+            raise BatchError("no sample of the batch has a loss-mask token (nothing to train on)")
+        plan = self._plan(batch)
+        micro_batches = plan.micro_batches[self._ps.get_data_parallel_rank()]
+        scale = self.layout.data * len(micro_batches)
+        has_rollout = any(s.rollout_logprobs is not None for s in batch)
+        mean_keys = _MEAN_METRICS + (_TIS_METRICS if has_rollout else ()) + \
+            (("entropy",) if self.objective.needs_entropy else ())
+        sums = torch.zeros(2 + len(mean_keys), dtype=torch.float64)  # loss, loss tokens, weighted means
+        peak = torch.zeros(1, dtype=torch.float64)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            device = logits.device
+            loss, metrics = self.objective(
+                logits, mb.labels.to(device), mb.old_logprobs.to(device), mb.advantages.to(device),
+                mb.loss_mask.to(device), mb.sample_ids.to(device),
+                rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(device),
+                normalizer=float(normalizer))
+            if self.reports_metrics:
+                n = float(metrics["num_tokens"])
+                sums[0] += float(loss)
+                sums[1] += n
+                for k, key in enumerate(mean_keys):
+                    sums[2 + k] += n * float(metrics[key])
+                if has_rollout:
+                    peak[0] = max(float(peak[0]), float(metrics["tis_ratio_max"]))
+            return loss * scale, {}
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        self.step += 1
+
+        dist.all_reduce(sums)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        aux = compat.moe_load_balancing_loss(self.model_cfg.num_layers, len(micro_batches)) \
+            if self.model_cfg.num_experts else None
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(s) for s in batch)
+        rows = sum(mb.length for mbs in plan.micro_batches for mb in mbs)
+        loss_tokens = max(float(sums[1]), 1.0)
+        metrics = {"loss": float(sums[0]), "loss_tokens": float(sums[1]),
+                   **{key: float(sums[2 + k]) / loss_tokens for k, key in enumerate(mean_keys)},
+                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                   "lr": float(self.optimizer.param_groups[0]["lr"]),
+                   "tokens": float(tokens), "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                   "micro_batches": float(plan.num_micro_batches), "padding_frac": 1.0 - tokens / rows,
+                   "samples_agent": float(sum(s.role == "agent" for s in batch)),
+                   "samples_designer": float(sum(s.role == "designer" for s in batch))}
+        if has_rollout:
+            metrics["tis_ratio_max"] = float(peak[0])
+        if aux is not None:
+            metrics["moe_load_balancing_loss"] = aux
+        return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
+
+    def save(self, root: str, *, keep: Optional[int] = None) -> str:
+        """Save model, optimizer and schedule as ``root/step_<N>`` (atomic); see checkpoint.save_checkpoint."""
+        from spade_mega.megatron.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self, root, keep=keep))
+
+    def load(self, path: str) -> int:
+        """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step)."""
+        from spade_mega.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)

@@ -1,0 +1,84 @@
+"""One GRPO training step in TP2+SP, EP2, PP2 and TP2xEP2 (gloo, CPU) equals the single-process step; a checkpoint
+saved in TP2xEP2 loads into TP1 and PP2 with the same logits, and the resumed runs continue with the same losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_json, run_worker
+
+pytestmark = pytest.mark.multiproc
+
+TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+LAYOUTS = {
+    "tp2_sp": (2, TP2_SP),
+    "ep2": (2, ["parallel.expert=2"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "tp2_ep2": (4, [*TP2_SP, "parallel.expert=2"]),
+}
+RESUMES = {"resume_tp1": (1, []), "resume_pp2": (2, ["parallel.pipeline=2"])}
+COMPARED = ("loss", "pg_loss", "clip_frac", "approx_kl", "tis_ratio_mean", "tis_ratio_max", "grad_norm",
+            "moe_load_balancing_loss")
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("megatron_layouts")
+    run_worker(1, "reference", out)
+    for tag, (nproc, overrides) in LAYOUTS.items():
+        extra = ["--continue-run"] if tag == "tp2_ep2" else []
+        run_worker(nproc, "layout", out, "--tag", tag, *extra, *overrides)
+    for tag, (nproc, overrides) in RESUMES.items():
+        dump = ["--dump", "init", "reference", *LAYOUTS] if tag == "resume_tp1" else []
+        run_worker(nproc, "resume", out, "--tag", tag, "--load", str(out / "tp2_ep2"), *dump, *overrides)
+    return out
+
+
+def rel_err(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_metrics_match(got: dict, want: dict, what: str) -> None:
+    for key in COMPARED:
+        assert rel_err(got[key], want[key]) < RTOL, f"{what}: {key} = {got[key]!r}, expected {want[key]!r}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_step_matches_single_process(runs: Path, layout: str) -> None:
+    want = read_json(runs / "reference.json")["step1"]
+    got = read_json(runs / f"{layout}.json")["step1"]
+    assert want["micro_batches"] == 6 and want["clip_frac"] > 0, "the batch must exercise several micro-batches"
+    assert_metrics_match(got, want, layout)
+    initial = torch.load(runs / "init_weights.pt")
+    reference = torch.load(runs / "reference_weights.pt")
+    weights = torch.load(runs / f"{layout}_weights.pt")
+    assert weights.keys() == reference.keys() == initial.keys()
+    for name, w in reference.items():
+        err = float((weights[name] - w).norm() / w.norm())
+        assert err < RTOL, f"{layout}: updated weight {name} differs from one process (relative error {err:.2e})"
+        # and the step itself (not just the large unchanged part of the weights) agrees
+        update = w - initial[name]
+        assert update.norm() > 0, f"{name} did not move: the comparison would prove nothing"
+        update_err = float((weights[name] - initial[name] - update).norm() / update.norm())
+        assert update_err < 1e-3, f"{layout}: the update of {name} differs by {update_err:.2e} of its size"
+
+
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_tp2ep2_checkpoint_loads_with_identical_logits(runs: Path, resume: str) -> None:
+    saved = torch.load(runs / "tp2_ep2_logits.pt")
+    loaded = torch.load(runs / f"{resume}_logits.pt")
+    assert read_json(runs / f"{resume}.json")["loaded_step"] == 1
+    assert loaded.shape == saved.shape
+    err = float((loaded - saved).abs().max() / saved.abs().max())
+    assert err < RTOL, f"{resume}: logits after loading the TP2xEP2 checkpoint differ (relative {err:.2e})"
+
+
+@pytest.mark.parametrize("resume", list(RESUMES))
+def test_resumed_run_continues_with_same_losses(runs: Path, resume: str) -> None:
+    uninterrupted = read_json(runs / "tp2_ep2.json")
+    resumed = read_json(runs / f"{resume}.json")
+    for step in ("step2", "step3"):
+        assert_metrics_match(resumed[step], uninterrupted[step], f"{resume} {step}")
