@@ -118,11 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     bare = spawn(Launch(IsolationPlan(None, None, None, None, False, 0, False), cfg), None)
     bare.call("load", WALK, 10.0)
     bare.call("reset", 0, 10.0)
-    results["unisolated_worker"] = summary(
-        "unisolated persistent worker (WorkerProcess.call)",
-        timings(lambda i: check_step(bare.call("step", actions[i & 1], 5.0).value), args.steps))
-    bare.kill()
-
     with SandboxPool(cfg) as pool:
         assert pool.isolation is not None
         print(f"  (strict isolation: {pool.isolation.describe()})")
@@ -130,11 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         env.reset(0)
         worker = env._worker
         assert worker is not None
-        results["strict_worker"] = summary(
-            "strict persistent worker (WorkerProcess.call)",
-            timings(lambda i: check_step(worker.call("step", actions[i & 1], 5.0).value), args.steps))
-        results["strict_handle"] = summary("strict persistent worker (EnvHandle.step)",
-                                           timings(lambda i: env.step(actions[i & 1]), args.steps))
+        variants: dict[str, Callable[[int], object]] = {
+            "unisolated_worker": lambda i: check_step(bare.call("step", actions[i & 1], 5.0).value),
+            "strict_worker": lambda i: check_step(worker.call("step", actions[i & 1], 5.0).value),
+            "strict_handle": lambda i: env.step(actions[i & 1]),
+        }
+        labels = {"unisolated_worker": "unisolated persistent worker (WorkerProcess.call)",
+                  "strict_worker": "strict persistent worker (WorkerProcess.call)",
+                  "strict_handle": "strict persistent worker (EnvHandle.step)"}
+        # Interleaved in rounds, so a burst of load from elsewhere on the machine hits every variant alike.
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        rounds = 20
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                samples[name] += timings(fn, max(1, args.steps // rounds), warmup=50)
+        for name in variants:
+            results[name] = summary(labels[name], samples[name])
+        bare.kill()
         env.close()
 
         code = WALK + "\nimport json\nenv = Walk()\nenv.reset(0)\nprint(json.dumps(env.step('right')))\n"
@@ -158,16 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         print("batch stepping")
         envs = [pool.open(EnvProgram(WALK, "", "bench")) for _ in range(8)]
         pool.reset_many([(e, i) for i, e in enumerate(envs)])
+        batch_s = sequential_s = 0.0
         rounds = max(1, args.steps // 40)
-        start = time.perf_counter()
-        for r in range(rounds):
+        for r in range(rounds):  # interleaved, as above
+            start = time.perf_counter()
             pool.step_many([(e, actions[r & 1]) for e in envs])
-        batch_rate = rounds * len(envs) / (time.perf_counter() - start)
-        start = time.perf_counter()
-        for r in range(rounds):
+            middle = time.perf_counter()
             for e in envs:
                 e.step(actions[r & 1])
-        sequential_rate = rounds * len(envs) / (time.perf_counter() - start)
+            batch_s, sequential_s = batch_s + middle - start, sequential_s + time.perf_counter() - middle
+        batch_rate, sequential_rate = rounds * len(envs) / batch_s, rounds * len(envs) / sequential_s
         for e in envs:
             e.close()
         print(f"  step_many over 8 environments: {batch_rate:,.0f} steps/s; one at a time: {sequential_rate:,.0f} "
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     strict, bare_med = results["strict_worker"]["median_us"], results["unisolated_worker"]["median_us"]
     print("ratios (medians)")
     print(f"  strict worker / unisolated worker:   x{strict / bare_med:.2f}   (target <= 2)")
-    print(f"  EnvHandle.step / in-process call:    x{results['strict_handle']['median_us'] / results['in_process']['median_us']:.0f}")
+    handle_vs_local = results["strict_handle"]["median_us"] / results["in_process"]["median_us"]
+    print(f"  EnvHandle.step / in-process call:    x{handle_vs_local:.0f}")
     print(f"  process per call / strict worker:    x{results['process_per_call']['median_us'] / strict:.0f}   "
           "(target >= 500)")
     print(f"  sandbox per call / strict worker:    x{results['sandbox_per_call']['median_us'] / strict:.0f}")

@@ -222,7 +222,8 @@ class IsolationReport:
         return "; ".join(parts)
 
 
-def inspect_worker(pid: int, hello: dict, bubblewrap: bool, cgroups: tuple[str, ...]) -> IsolationReport:
+def inspect_worker(pid: int, hello: dict, bubblewrap: bool, cgroups: tuple[str, ...],
+                   problems: list[str]) -> IsolationReport:
     """Compare the worker's namespaces with ours and read its uid, seccomp mode and capabilities from /proc."""
     namespaces = []
     for ns in ALL_NAMESPACES:
@@ -236,4 +237,4 @@ def inspect_worker(pid: int, hello: dict, bubblewrap: bool, cgroups: tuple[str, 
     return IsolationReport(
         bubblewrap=bubblewrap, namespaces=tuple(namespaces), seccomp=status.get("Seccomp", "0").strip() == "2",
         uid=int(status["Uid"].split()[1]), capabilities=int(status.get("CapEff", "0"), 16) != 0,
-        rlimits=bool(hello.get("rlimits")), cgroups=cgroups, problems=tuple(hello.get("errors", ())))
+        rlimits=bool(hello.get("rlimits")), cgroups=cgroups, problems=(*hello.get("errors", ()), *problems))

@@ -189,11 +189,18 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
             worker.kill()
             said = f" (it said: {worker.stderr_tail.splitlines()[-1]})" if worker.stderr_tail else ""
             raise SandboxUnavailable(f"a sandbox worker failed to start: {detail}{said}")
-        tree_controllers = cgroups.controllers if cgroups else ()
-        worker.report = inspect_worker(worker.pid, hello.value, bool(launch.plan.bwrap), tree_controllers)
-        if cgroups is not None:
-            worker.cgroup = cgroups.worker(cfg.memory_mb << 20, cfg.threads + 2)
-            worker.cgroup.attach(worker.pid)
+        problems = []
+        if cgroups is not None:  # "where available": a refusal here costs the cgroup, not the worker
+            try:
+                worker.cgroup = cgroups.worker(cfg.memory_mb << 20, cfg.threads + 2)
+                worker.cgroup.attach(worker.pid)
+            except OSError as exc:
+                problems.append(f"cgroup: {exc}")
+                if worker.cgroup is not None:
+                    worker.cgroup.remove()
+                    worker.cgroup = None
+        worker.report = inspect_worker(worker.pid, hello.value, bool(launch.plan.bwrap),
+                                       cgroups.controllers if worker.cgroup and cgroups else (), problems)
     except BaseException:
         worker.kill()
         raise
