@@ -6,8 +6,11 @@ the pool is one left behind, whatever other sandboxes run on the machine at the 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,17 +26,27 @@ ROOT = Path(__file__).resolve().parents[1]
 GUESS_NUMBER = (ROOT / "docs" / "environments.md").read_text().split("```python")[1].split("```")[0]
 
 
+@functools.lru_cache(maxsize=1)
 def strict_missing() -> str | None:
-    """Why strict isolation truly cannot be had on this machine, or None when it can."""
-    if shutil.which("bwrap") is None:
+    """Why strict isolation truly cannot be had on this machine (the tools are missing, or the platform refuses the
+    namespaces even to bubblewrap alone), or None when it can. Then a strict pool that fails is a bug: no skip."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
         return "bubblewrap is not installed (apt-get install bubblewrap)"
     if find_libseccomp() is None:
         return "libseccomp is not installed (apt-get install libseccomp2)"
-    try:
-        if int(Path("/proc/sys/user/max_user_namespaces").read_text()) == 0:
-            return "user namespaces are disabled (sysctl user.max_user_namespaces=0)"
-    except FileNotFoundError:
-        return "this kernel has no user namespaces"
+    probe = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+             "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    if os.geteuid() != 0:
+        probe.append("--unshare-user")
+    done = subprocess.run([*probe, "true"], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        return f"this platform refuses bubblewrap's namespaces: {done.stderr.strip()}"
+    if os.geteuid() == 0:  # workers drop to a non-root uid, then enter a user namespace of their own
+        userns = subprocess.run([sys.executable, "-c", "import ctypes, os; os.setgid(65534); os.setuid(65534); "
+                                 "raise SystemExit(ctypes.CDLL(None).unshare(0x10000000))"], timeout=30)
+        if userns.returncode != 0:
+            return "unprivileged user namespaces are disabled here (sysctl user.max_user_namespaces, AppArmor)"
     return None
 
 

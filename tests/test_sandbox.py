@@ -239,6 +239,32 @@ def test_strict_refuses_to_start_without_bubblewrap_and_says_what_to_install() -
         SandboxPool(SandboxConfig(bwrap="/nonexistent/bwrap"))
 
 
+@pytest.fixture
+def broken_bwrap(tmp_path: Path) -> str:
+    """A bubblewrap that fails the way it does where the platform refuses namespaces."""
+    script = tmp_path / "bwrap"
+    script.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_strict_reports_what_bubblewrap_said_when_it_cannot_start(broken_bwrap: str) -> None:
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+    with pytest.raises(SandboxUnavailable, match="failed to start.*No permissions to create new namespace"):
+        SandboxPool(strict_config(bwrap=broken_bwrap))
+
+
+def test_best_effort_falls_back_when_bubblewrap_cannot_start(broken_bwrap: str,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    cfg = SandboxConfig(isolation="best-effort", bwrap=broken_bwrap, warm_workers=1, uid=TEST_UID, gid=TEST_UID)
+    with caplog.at_level(logging.WARNING, logger="spade_mega.sandbox"), SandboxPool(cfg) as weak:
+        assert weak.isolation is not None and not weak.isolation.bubblewrap
+        assert any("WITHOUT bubblewrap" in r.message and "No permissions" in r.message for r in caplog.records)
+        with weak.open(program(GUESS_NUMBER)) as env:
+            assert env.reset(0).startswith("I picked")
+
+
 def test_close_kills_every_worker_and_the_pool_refuses_work() -> None:
     pool = strict_pool(warm_workers=2)
     env = pool.open(program(GUESS_NUMBER))

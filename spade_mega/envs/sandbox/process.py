@@ -181,14 +181,14 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
     worker = WorkerProcess(popen, req_w, rep_r, (cfg.reply_limit_kb << 10) + (cfg.output_limit_kb << 10) + _ENVELOPE)
     try:
         if info_r is not None:
-            worker.pid = _bwrap_child_pid(info_r, cfg.start_timeout_s)
+            child = _bwrap_child_pid(info_r, cfg.start_timeout_s)
+            if child is None:
+                raise _start_failure(worker, "bubblewrap did not start the sandbox")
+            worker.pid = child
         worker.pidfd = os.pidfd_open(worker.pid)
         (hello,) = exchange([(worker, None, None, cfg.start_timeout_s)])
         if isinstance(hello, SandboxError) or not hello.ok:
-            detail = hello.value[1] if isinstance(hello, Reply) else hello.message
-            worker.kill()
-            said = f" (it said: {worker.stderr_tail.splitlines()[-1]})" if worker.stderr_tail else ""
-            raise SandboxUnavailable(f"a sandbox worker failed to start: {detail}{said}")
+            raise _start_failure(worker, hello.value[1] if isinstance(hello, Reply) else hello.message)
         problems = []
         if cgroups is not None:  # "where available": a refusal here costs the cgroup, not the worker
             try:
@@ -210,18 +210,25 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
     return worker
 
 
-def _bwrap_child_pid(info_r: int, timeout: float) -> int:
-    """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is the worker: --as-pid-1)."""
+def _bwrap_child_pid(info_r: int, timeout: float) -> int | None:
+    """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is the worker: --as-pid-1);
+    None if it exits or stalls first."""
     data = b""
     deadline = time.monotonic() + timeout
     while not data.rstrip().endswith(b"}"):
         ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
         chunk = os.read(info_r, 4096) if ready else b""
         if not chunk:
-            raise SandboxUnavailable("bubblewrap did not start the sandbox" if ready else
-                                     f"bubblewrap did not start the sandbox within {timeout:.0f} s")
+            return None
         data += chunk
     return int(json.loads(data)["child-pid"])
+
+
+def _start_failure(worker: WorkerProcess, detail: str) -> SandboxUnavailable:
+    """Kill what started, and say why it failed, with the last line bubblewrap or the interpreter printed."""
+    worker.kill()
+    said = f" (it said: {worker.stderr_tail.splitlines()[-1]})" if worker.stderr_tail else ""
+    return SandboxUnavailable(f"a sandbox worker failed to start: {detail}{said}")
 
 
 class _Pending:
