@@ -13,12 +13,13 @@ MOVES = {"north": (-1, 0), "south": (1, 0), "west": (0, -1), "east": (0, 1)}
 
 
 class FogMaze:
-    max_turns = SIZE * SIZE
+    max_turns = 6 * SIZE
 
     def reset(self, seed):
         rng = random.Random(seed)
         cells = [(r, c) for r in range(SIZE) for c in range(SIZE)]
-        while True:
+        best = None
+        for _ in range(100):  # bounded: if the grid cannot give MIN_DISTANCE, the farthest exit found is used
             self.walls = [[rng.random() < WALLS for _ in range(SIZE)] for _ in range(SIZE)]
             self.pos = rng.choice(cells)
             self.walls[self.pos[0]][self.pos[1]] = False
@@ -31,10 +32,15 @@ class FogMaze:
                     if self._open(n) and n not in dist:
                         dist[n] = dist[(r, c)] + 1
                         queue.append(n)
-            far = [cell for cell, d in sorted(dist.items()) if d >= MIN_DISTANCE]
+            reach = [(d, cell) for cell, d in sorted(dist.items()) if 0 < d <= 2 * SIZE]
+            far = [cell for d, cell in reach if d >= MIN_DISTANCE]
+            if reach:
+                goal = rng.choice(far) if far else max(reach)[1]
+                if best is None or dist[goal] > best[0]:
+                    best = (dist[goal], self.walls, self.pos, goal)
             if far:
-                self.exit = rng.choice(far)
                 break
+        _, self.walls, self.pos, self.exit = best
         self.turn = 0
         self.done = False
         return (f"You are in a dark {SIZE}x{SIZE} maze; rows grow southward, columns eastward, both from 0. "

@@ -26,21 +26,26 @@ def _distances(grid, start):
 
 
 class GridMaze:
-    max_turns = 3 * SIZE * SIZE // 2
+    max_turns = 4 * SIZE
 
     def reset(self, seed):
         rng = random.Random(seed)
         cells = [(r, c) for r in range(SIZE) for c in range(SIZE)]
-        while True:
-            self.grid = [["#" if rng.random() < WALLS else "." for _ in range(SIZE)] for _ in range(SIZE)]
-            self.pos = rng.choice(cells)
-            self.grid[self.pos[0]][self.pos[1]] = "."
-            dist = _distances(self.grid, self.pos)
-            far = [cell for cell, d in sorted(dist.items()) if d >= MIN_DISTANCE]
+        best = None
+        for _ in range(100):  # bounded: if the grid cannot give MIN_DISTANCE, the farthest goal found is used
+            grid = [["#" if rng.random() < WALLS else "." for _ in range(SIZE)] for _ in range(SIZE)]
+            pos = rng.choice(cells)
+            grid[pos[0]][pos[1]] = "."
+            dist = _distances(grid, pos)
+            reach = [(d, cell) for cell, d in sorted(dist.items()) if 0 < d <= self.max_turns // 2]
+            far = [cell for d, cell in reach if d >= MIN_DISTANCE]
+            if reach:
+                goal = rng.choice(far) if far else max(reach)[1]
+                if best is None or dist[goal] > best[0]:
+                    best = (dist[goal], grid, pos, goal)
             if far:
-                self.goal = rng.choice(far)
-                self.shortest = dist[self.goal]
                 break
+        self.shortest, self.grid, self.pos, self.goal = best
         self.turn = 0
         self.done = False
         return ("Reach the goal G in this maze. You are A; '#' is a wall, '.' is open floor. Row 0 is the top.\n"

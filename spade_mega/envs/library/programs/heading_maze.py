@@ -15,22 +15,27 @@ ARROWS = {"north": "^", "east": ">", "south": "v", "west": "<"}
 
 
 class HeadingMaze:
-    max_turns = 3 * SIZE * SIZE // 2
+    max_turns = 5 * SIZE
 
     def reset(self, seed):
         rng = random.Random(seed)
         cells = [(r, c) for r in range(SIZE) for c in range(SIZE)]
-        while True:
+        best = None
+        for _ in range(100):  # bounded: if the grid cannot give MIN_DISTANCE, the farthest goal found is used
             self.grid = [["#" if rng.random() < WALLS else "." for _ in range(SIZE)] for _ in range(SIZE)]
             self.pos = rng.choice(cells)
             self.heading = rng.choice(HEADINGS)
             self.grid[self.pos[0]][self.pos[1]] = "."
-            best = self._action_distances()
-            far = [cell for cell, d in sorted(best.items()) if d[1] >= MIN_DISTANCE]
+            reach = [(walk, cell, actions) for cell, (actions, walk) in sorted(self._action_distances().items())
+                     if 0 < walk and actions <= self.max_turns // 2]
+            far = [item for item in reach if item[0] >= MIN_DISTANCE]
+            if reach:
+                walk, goal, actions = rng.choice(far) if far else max(reach)
+                if best is None or walk > best[0]:
+                    best = (walk, self.grid, self.pos, self.heading, goal, actions)
             if far:
-                self.goal = rng.choice(far)
-                self.shortest = best[self.goal][0]
                 break
+        _, self.grid, self.pos, self.heading, self.goal, self.shortest = best
         self.turn = 0
         self.done = False
         return ("Drive the robot to the goal G. The robot is the arrow (^ north/up, > east, v south, < west) and "
