@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from spade_mega.config.schema import SandboxConfig
 from spade_mega.envs.sandbox import (ContractViolation, LoadError, NonFiniteReward, ProgramError, SandboxCrash,
-                                     SandboxPool, SandboxTimeout, SandboxUnavailable, StepResult)
+                                     SandboxPool, SandboxUnavailable, StepResult)
 from spade_mega.envs.sandbox.process import Reply, _decode
 
 from sandbox_support import (GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_config,

@@ -100,8 +100,8 @@ def runtime() -> Runtime:
     python = os.path.realpath(sys.executable)
     # The base installation's standard library, never a virtual environment's site-packages.
     wanted = [python, os.path.dirname(os.__file__), sysconfig.get_config_var("DESTSHARED"), "/etc/ld.so.cache"]
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        wanted.append(os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")))
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and sysconfig.get_config_var("LIBDIR"):
+        wanted.append(os.path.join(sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME") or ""))
     symlinks = []
     for system_dir in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/lib32", "/usr/lib32"):
         if os.path.islink(system_dir):
@@ -109,7 +109,7 @@ def runtime() -> Runtime:
         elif os.path.isdir(system_dir):
             wanted.append(system_dir)
     read_only: list[str] = []
-    for path in sorted({os.path.realpath(p) for p in wanted if os.path.exists(p)}, key=len):
+    for path in sorted({os.path.realpath(p) for p in wanted if p and os.path.exists(p)}, key=len):
         if not any(path == kept or path.startswith(kept + "/") for kept in read_only):
             read_only.append(path)
     return Runtime(python, tuple(read_only), tuple(symlinks),
