@@ -14,7 +14,9 @@ Policy = Callable[[str], str]
 """observation -> action; one instance per episode, so a policy may keep memory of what it has seen."""
 
 
-class EnvHandle(Protocol):
+class Steppable(Protocol):
+    """What the runner needs of an environment: the two calls of a sandbox ``EnvHandle``."""
+
     def reset(self, seed: int) -> str: ...
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
@@ -67,7 +69,7 @@ class Episode:
                 "episode_return": self.episode_return}
 
 
-def play_episode(env: EnvHandle, policy: Policy, seed: int, max_steps: int = 256) -> Episode:
+def play_episode(env: Steppable, policy: Policy, seed: int, max_steps: int = 256) -> Episode:
     """Reset ``env`` with ``seed`` and step it with ``policy`` until it terminates, truncates, or ``max_steps``."""
     episode = Episode(seed=seed, first_observation=env.reset(seed))
     observation = episode.first_observation

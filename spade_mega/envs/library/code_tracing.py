@@ -49,8 +49,12 @@ class _Tracer:
             elif isinstance(stmt, ast.AugAssign) and type(stmt.op) in _BINARY:
                 name = stmt.target.id  # type: ignore[attr-defined]
                 self.env[name] = _BINARY[type(stmt.op)](self.env[name], self.value(stmt.value))
-            elif isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call):
-                for i in range(self.value(stmt.iter.args[0])):
+            elif (isinstance(stmt, ast.For) and isinstance(stmt.iter, ast.Call)
+                  and isinstance(stmt.iter.func, ast.Name) and stmt.iter.func.id == "range"):
+                count = self.value(stmt.iter.args[0])
+                if count > 1000:
+                    raise ValueError(f"refusing to trace a loop of {count} iterations")
+                for i in range(count):
                     self.env[stmt.target.id] = i  # type: ignore[attr-defined]
                     self.run(stmt.body)
             elif isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare):

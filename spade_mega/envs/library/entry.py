@@ -121,8 +121,8 @@ class LibraryEntry:
     """A hand-written reference environment.
 
     ``oracle`` is a generator script: it receives the first observation, yields an action, and is sent each following
-    observation. It sees only what the agent sees (the environment runs in a remote sandbox), and reaches
-    ``target_return`` in every episode at every difficulty. ``action_examples`` are legal-looking actions (``{int}``
+    observation. It sees only what the agent sees (the environment runs in a remote sandbox), and its mean return
+    over a few seeds reaches ``target_return`` at every difficulty level. ``action_examples`` are legal-looking actions (``{int}``
     and ``{word}`` are filled from the observation) for the random baseline and the docs.
     """
 

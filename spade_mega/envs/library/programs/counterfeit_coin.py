@@ -36,7 +36,7 @@ class CounterfeitCoin:
         if self.done:
             return "The game is over.", 0.0, True, False, {}
         self.turn += 1
-        words = action.lower().replace(",", " ").split()
+        words = action.lower().replace(",", " ").replace(":", " ").split()
         out_of_turns = self.turn >= self.max_turns
         if words[:1] == ["answer"] and len(words) == 2 and words[1].isdigit():
             self.done = True

@@ -14,7 +14,7 @@ CATEGORY_NAMES = ["colour", "pet", "drink"]
 
 
 def _house(world, value):
-    for cat, perm in enumerate(world):
+    for perm in world:
         if value in perm:
             return perm.index(value)
     return -1
