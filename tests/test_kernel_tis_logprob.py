@@ -154,6 +154,7 @@ def test_extreme_logits_padding_and_a_single_token(gen) -> None:
         assert LAUNCHES["tis_logprob.shard_stats"] == before + 1
         x, lp, ent = truth_logprobs(sub.logits, sub.tokens)
         assert torch.isfinite(res.logprobs).all() and torch.isfinite(res.entropy).all()
+        assert (res.logprobs <= 0).all() and (res.entropy >= 0).all()  # never a positive log-prob (verl's bug)
         tol = 1e-6 * 1e4 / TEMPERATURE  # fp32 rounding of logits / temperature at this magnitude
         close(res.logprobs, lp, tol, seed, "log-probs")
         close(res.entropy, ent, tol, seed, "entropy")
