@@ -13,7 +13,7 @@ setup(
     # would collide with another widely used package.
     packages=find_packages(include=["spade_mega", "spade_mega.*"]) + ["spade_mega.kernels"],
     package_dir={"spade_mega.kernels": "kernels"},
-    package_data={"spade_mega": ["py.typed", "envs/library/programs/*.py"]},  # library programs: read as text
+    package_data={"spade_mega": ["py.typed", "envs/library/programs/*.py", "envs/environments.md"]},  # read as text: library programs, the contract
     install_requires=[
         "torch>=2.6",
         # 0.19.2 (what constraints/cpu.txt pins) needs --ignore-requires-python on 3.11; a plain install on 3.11

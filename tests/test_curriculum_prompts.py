@@ -51,6 +51,12 @@ def test_contract_is_quoted_from_the_docs() -> None:
     assert contract in DOCS.read_text() and "Beside the source" not in contract
 
 
+def test_contract_ships_with_the_package_as_the_docs_file() -> None:
+    from spade_mega.curriculum.prompts import CONTRACT_FILE
+
+    assert CONTRACT_FILE.resolve() == DOCS.resolve()  # a symlink in the tree, a copy in a wheel
+
+
 def test_missing_contract_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PromptError, match="contract not found"):
         load_contract(tmp_path / "nope.md")

@@ -6,7 +6,8 @@ without a chat template (a base model, a bare ``tokenizers.Tokenizer``) gets the
 ``"<Role>:\\n<content>\\n\\n"`` (System, User, Assistant), ending with ``"Assistant:\\n"`` to open the answer.
 
 The designer prompt quotes the environment contract from ``docs/environments.md`` (the example and its rules), so
-the documentation and what the model is told cannot drift apart.
+the documentation and what the model is told cannot drift apart. It reads it through ``spade_mega/envs/environments.md``,
+a symlink to that file, which setuptools packages as a copy: a wheel install carries the contract too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from spade_mega.curriculum.memory import EnvRecord
 from spade_mega.curriculum.skills import SkillRegistry
 from spade_mega.errors import SpadeError
 
-CONTRACT_FILE = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+CONTRACT_FILE = Path(__file__).resolve().parents[1] / "envs" / "environments.md"
 _CONTRACT_START, _CONTRACT_END = "```python", "\nBeside the source"
 
 DESIGNER_SYSTEM = (
@@ -43,8 +44,8 @@ class PromptError(SpadeError):
 def load_contract(path: Path = CONTRACT_FILE) -> str:
     """The contract section of docs/environments.md: the example program and its rules."""
     if not path.is_file():
-        raise PromptError(f"{path}: environment contract not found; the designer prompt quotes it (it ships in the "
-                          "repository's docs/ folder)")
+        raise PromptError(f"{path}: environment contract not found; the designer prompt quotes it (it ships with "
+                          "the package as spade_mega/envs/environments.md; reinstall spade-mega)")
     text = path.read_text(encoding="utf-8")
     start, end = text.find(_CONTRACT_START), text.find(_CONTRACT_END)
     if start < 0 or end < start:
