@@ -19,7 +19,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 OPS = ("spade_mega.kernels.tis_logprob", "spade_mega.kernels.grpo_advantage")
@@ -38,7 +38,6 @@ class AotSpec:
     constexprs: dict[str, Any]
     num_warps: int
     notes: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 _USED = re.compile(r"Used (\d+) registers")
@@ -63,7 +62,7 @@ def compile_spec(spec: AotSpec) -> dict[str, Any]:
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(source, target=GPUTarget("cuda", ARCH, 32),
-                                      options={"num_warps": spec.num_warps, **spec.options})
+                                      options={"num_warps": spec.num_warps})
     report = log.getvalue()
     used, spill = _USED.findall(report), _SPILL.findall(report)
     if not used or not spill:

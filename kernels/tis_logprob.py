@@ -14,8 +14,8 @@ more and writes the gradient once.
 
 Stages (each a Triton kernel with its plain-torch reference beside it, which runs where no kernel can):
   1. ``shard_stats``: one pass over this rank's vocab shard -> per-token partials ``[4, T]``: running max, sum of
-     exponentials under that max, sum of ``e * (x - max)`` and the sampled token's tempered logit if it lies in the shard.
-  2. ``gather_partials``: the partials of all tensor-parallel ranks (Megatron's vocab-parallel logits), 4 floats a token.
+     exponentials under that max, sum of ``e * (x - max)`` and the sampled token's tempered logit if in the shard.
+  2. ``gather_partials``: the partials of all tensor-parallel ranks (Megatron's vocab-parallel logits), 4 floats each.
   3. ``finalize``: combine the partials -> log-sum-exp, log-prob, entropy; then ratio, TIS weight, per-token loss and
      ``d loss / d logprob``. Its reference takes the TIS weight from ``rl.loss.truncated_is_weights``.
   4. backward ``logits_grad``: ``(c_lp * (onehot - p) - c_ent * p * (log p + H)) / temperature`` for each shard element.
@@ -82,6 +82,7 @@ def _shard_stats_kernel(logits_ptr, tokens_ptr, mask_ptr, stats_ptr, stride_row,
         m = m_new
     local = tl.load(tokens_ptr + row) - vocab_start
     in_shard = (local >= 0) & (local < n_cols)
+    # the same fp32 division as in the loop: x_tok <= max, so a log-prob is never positive
     x_tok = tl.load(base + local, mask=in_shard, other=0.0).to(tl.float32) / temperature
     tl.store(stats_ptr + row, m)
     tl.store(stats_ptr + n_tokens + row, s)
@@ -98,13 +99,15 @@ def shard_stats_reference(logits: torch.Tensor, tokens: torch.Tensor, loss_mask:
     m_safe = torch.where(m == -torch.inf, 0.0, m)
     e = torch.exp(x - m_safe[:, None])
     s = e.sum(dim=-1)
-    acc = (e * torch.where(x == -torch.inf, 0.0, x - m_safe[:, None])).sum(dim=-1) if with_entropy else torch.zeros_like(s)
+    acc = ((e * torch.where(x == -torch.inf, 0.0, x - m_safe[:, None])).sum(dim=-1) if with_entropy
+           else torch.zeros_like(s))
     local = tokens.long() - vocab_start
     in_shard = (local >= 0) & (local < vocab)
     x_tok = torch.where(in_shard, x.gather(1, local.clamp(0, vocab - 1)[:, None]).squeeze(1), 0.0)
     if loss_mask is not None:
         active = loss_mask.bool()
-        m, s, acc, x_tok = (torch.where(active, v, fill) for v, fill in ((m, -torch.inf), (s, 0.0), (acc, 0.0), (x_tok, 0.0)))
+        m, s, acc, x_tok = (torch.where(active, v, fill)
+                            for v, fill in ((m, -torch.inf), (s, 0.0), (acc, 0.0), (x_tok, 0.0)))
     return torch.stack([m, s, acc, x_tok])
 
 

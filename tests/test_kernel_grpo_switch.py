@@ -1,4 +1,5 @@
-"""``kernels.enabled``: the switch point gives rl's results on both sides, and with a real tensor-parallel vocab split."""
+"""``kernels.enabled``: the switch point gives rl's results on both sides of it, and over a real tensor-parallel
+vocab split."""
 
 from __future__ import annotations
 
