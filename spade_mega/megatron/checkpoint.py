@@ -242,6 +242,8 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
     if with_optimizer:
         trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
     else:  # saved before the first update: the optimizer starts fresh, as it did then
+        for optimizer in _chained(trainer.optimizer):
+            optimizer.optimizer.state.clear()
         trainer.optimizer.reload_model_params()
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.step = int(state["step"])

@@ -1,80 +1,64 @@
-"""What the train step computes from the model's output: per-token log-probs from vocab-parallel logits, and the GRPO
-policy loss (spade_mega.rl.loss). :func:`select_objective` is the one place that chooses their implementation; the
-Triton kernels plug in here behind ``kernels.enabled``.
+"""What the train step computes from the model's output: per-token log-probs (and entropy) from the vocab-parallel
+logits, then the GRPO policy loss of spade_mega.rl.loss. The log-probs go through the switch point of the Triton
+kernels (spade_mega.kernels.grpo, ``kernels.enabled``): fused kernels when enabled, the plain-torch references
+otherwise; this module is the one place the train step gets them from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from spade_mega.config.schema import RLConfig
+from spade_mega.config.schema import KernelsConfig, RLConfig
 from spade_mega.rl.loss import policy_loss
 
-LogprobFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-EntropyFn = Callable[[torch.Tensor, float], torch.Tensor]
 
-
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(labels) under ``softmax(logits / temperature)``, where each tensor-parallel rank holds a vocabulary slice
-    of ``logits`` [..., V / TP]. Differentiable; the full vocabulary is never gathered."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    scaled = logits.float() / temperature  # a fresh tensor: the cross entropy works in place on its input
-    return -vocab_parallel_cross_entropy(scaled, labels)
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-token entropy of ``softmax(logits / temperature)`` over vocabulary slices; differentiable.
-
-    H = log Z - sum(e^z z) / Z with z = logits - max, Z = sum(e^z): both sums are reduced over the tensor-parallel
-    group (all-reduce forward, identity backward: each rank's partial sum enters the total once)."""
+def _tp_group() -> Any:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-    scaled = logits.float() / temperature
-    peak = scaled.detach().amax(dim=-1, keepdim=True)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted = scaled - peak
-    exp = shifted.exp()
-    total = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
-    weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
-    return total.log() - weighted / total
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
 @dataclass(frozen=True)
 class Objective:
-    """Log-probs, entropy and loss implementations with the settings they need."""
+    """The GRPO objective on logits whose last dimension is this rank's vocabulary slice (Megatron's layout)."""
 
     rl: RLConfig
+    kernels: KernelsConfig
     temperature: float
-    token_logprobs: LogprobFn
-    token_entropy: EntropyFn
-    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
     @property
     def needs_entropy(self) -> bool:
         return self.rl.entropy_coef > 0
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor,
+                       loss_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """log p(labels) under ``softmax(logits / temperature)`` (and the entropy when the loss needs it),
+        differentiable; positions outside ``loss_mask`` (when given) are 0 and not computed."""
+        from spade_mega.kernels import grpo  # imports triton: only when a model is trained
+
+        return grpo.token_logprobs(logits, labels, self.kernels, temperature=self.temperature, loss_mask=loss_mask,
+                                   with_entropy=self.needs_entropy, tp_group=_tp_group())
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
                  advantages: torch.Tensor, loss_mask: torch.Tensor, sample_ids: torch.Tensor, *,
                  rollout_logprobs: Optional[torch.Tensor], normalizer: float
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss share of one packed micro-batch ([1, L] inputs) and its metrics."""
-        logprobs = self.token_logprobs(logits, labels, self.temperature)
-        entropy = self.token_entropy(logits, self.temperature) if self.needs_entropy else None
-        flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-        return self.loss(flat(logprobs), flat(old_logprobs), flat(advantages), flat(loss_mask), self.rl,
-                         rollout_logprobs=flat(rollout_logprobs), entropy=flat(entropy),
-                         sample_ids=flat(sample_ids), normalizer=normalizer)
+        logprobs, entropy = self.token_logprobs(logits, labels, loss_mask)
+
+        def flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.reshape(-1)
+
+        return policy_loss(flat(logprobs), flat(old_logprobs), flat(advantages), flat(loss_mask), self.rl,
+                           rollout_logprobs=flat(rollout_logprobs), entropy=flat(entropy),
+                           sample_ids=flat(sample_ids), normalizer=normalizer)
 
 
-def select_objective(rl: RLConfig, temperature: float) -> Objective:
-    """The objective for this run (plain torch reference implementations)."""
+def select_objective(rl: RLConfig, kernels: KernelsConfig, temperature: float) -> Objective:
+    """The objective of a run: the sampling temperature its log-probs are taken at, the kernels switch."""
     if temperature <= 0:
         raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
-    return Objective(rl=rl, temperature=temperature, token_logprobs=vocab_parallel_logprobs,
-                     token_entropy=vocab_parallel_entropy, loss=policy_loss)
+    return Objective(rl=rl, kernels=kernels, temperature=temperature)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig
+from spade_mega.megatron import compat
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def init_distributed() -> int:
 
 def initialize(layout: ParallelLayout, seed: int) -> None:
     """Build Megatron's process groups for ``layout`` (replacing any previous ones) and seed all generators."""
+    compat.install()
     from megatron.core import parallel_state as ps
 
     if dist.get_world_size() != layout.world_size:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig
 from spade_mega.errors import SpadeError
+from spade_mega.megatron import compat
 
 QWEN3_MODEL_TYPES = ("qwen3_moe", "qwen3")
 
@@ -176,6 +177,7 @@ def _params_dtype(model: ModelConfig) -> torch.dtype:
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Backend, *,
                        perform_initialization: bool = True) -> Any:
     """The Megatron ``TransformerConfig`` of a Qwen3(-MoE) model under a parallel layout."""
+    compat.install()
     from megatron.core.transformer import TransformerConfig
 
     dtype = _params_dtype(model)
@@ -240,6 +242,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Ba
 
 def layer_spec(model: ModelConfig, backend: Backend) -> Any:
     """One transformer layer: Transformer Engine modules (grouped-GEMM experts) on GPU, torch modules on CPU."""
+    compat.install()
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = model.num_experts or None

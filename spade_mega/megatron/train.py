@@ -63,24 +63,24 @@ class Trainer:
 
     def __init__(self, cfg: SpadeConfig, *, temperature: Optional[float] = None,
                  total_steps: Optional[int] = None) -> None:
+        if cfg.rl.kl_coef > 0:
+            raise ConfigError("rl.kl_coef", "the Megatron trainer keeps no reference model, so KL to a reference "
+                                            "policy is unavailable; set rl.kl_coef: 0 (the SPADE recipe's value)")
+        if cfg.parallel.context > 1:
+            raise ConfigError("parallel.context", "context parallelism is not supported by the GRPO train step "
+                                                  "(a sample's log-probs would have to be gathered across "
+                                                  "context-parallel ranks); use parallel.context: 1")
+        self.cfg = cfg
+        self.model_cfg = resolve_model_config(cfg.model)
+        self.backend: Backend = select_backend()
+        compat.install()
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        compat.install()
-        if cfg.rl.kl_coef > 0:
-            raise ConfigError("rl.kl_coef", "the Megatron trainer keeps no reference model, so KL to a reference "
-                                            "policy is unavailable; set rl.kl_coef: 0 (the SPADE recipe's value)")
-        self.cfg = cfg
-        self.model_cfg = resolve_model_config(cfg.model)
-        self.backend: Backend = select_backend()
         self.layout: ParallelLayout = resolve_layout(cfg.parallel, self.model_cfg, init_distributed())
-        if self.layout.context > 1:
-            raise ConfigError("parallel.context", "context parallelism is not supported by the GRPO train step "
-                                                  "(a sample's log-probs would have to be gathered across "
-                                                  "context-parallel ranks); use parallel.context: 1")
         initialize(self.layout, cfg.run.seed)
         self.config = transformer_config(self.model_cfg, cfg.parallel, self.backend)
         chunks = build_model_chunks(self.model_cfg, self.config, self.backend)
@@ -103,7 +103,7 @@ class Trainer:
             self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps, lr_decay_steps=horizon, lr_decay_style=opt.lr_schedule,
             start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=horizon, wd_incr_style="constant")
-        self.objective: Objective = select_objective(cfg.rl, temperature or cfg.rollout.temperature)
+        self.objective: Objective = select_objective(cfg.rl, cfg.kernels, temperature or cfg.rollout.temperature)
         self.step = 0
         self._ps = ps
 
@@ -198,10 +198,8 @@ class Trainer:
 
         Aligned with ``tokens``: entry t is log p(tokens[t] | tokens[:t]) at the objective's temperature; entry 0
         (no prefix) is 0."""
-        objective = self.objective
-
         def values_of(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            return objective.token_logprobs(logits, mb.labels.to(logits.device), objective.temperature)
+            return self.objective.token_logprobs(logits, mb.labels.to(logits.device))[0]
 
         return [v[:, 0] for v in self._forward_collect(samples, 1, values_of)]
 

@@ -8,6 +8,9 @@
              checkpoint and write its full weights (needs one process)
   grpo       one process: GRPO on "a+b=" (one-digit sums) for --steps steps, mean reward per step
   killsave   one process: a complete checkpoint, then a second save that the test kills
+  compat     which CPU shims install, and their patched behaviours (JSON on stdout)
+  single     one process: packing and loss normalisation invariances
+  qwen3_30b  the Qwen3-30B-A3B TransformerConfig and parameter counts on the meta device (JSON on stdout)
 """
 
 from __future__ import annotations
@@ -75,16 +78,24 @@ def logits_of(trainer, samples) -> "object":
     return torch.cat(trainer.logits(samples))
 
 
-def scenario_reference(args, trainer) -> None:
+def trainer_for(args):
+    from spade_mega.megatron import Trainer
+
+    return Trainer(config(args.overrides))
+
+
+def scenario_reference(args) -> None:
+    trainer = trainer_for(args)
     trainer.save(str(args.out / "init"))
     step = trainer.train_step(make_batch(1))
     trainer.save(str(args.out / "reference"))
     write_json(args.out / "reference.json", {"step1": step.metrics})
 
 
-def scenario_layout(args, trainer) -> None:
+def scenario_layout(args) -> None:
     import torch
 
+    trainer = trainer_for(args)
     trainer.load(str(args.out / "init"))
     result = {"step1": trainer.train_step(make_batch(1)).metrics}
     trainer.save(str(args.out / args.tag))
@@ -97,9 +108,10 @@ def scenario_layout(args, trainer) -> None:
     write_json(args.out / f"{args.tag}.json", result)
 
 
-def scenario_resume(args, trainer) -> None:
+def scenario_resume(args) -> None:
     import torch
 
+    trainer = trainer_for(args)
     for name in args.dump:
         trainer.load(str(args.out / name))
         weights = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
@@ -113,44 +125,55 @@ def scenario_resume(args, trainer) -> None:
     write_json(args.out / f"{args.tag}.json", result)
 
 
-def scenario_grpo(args, trainer) -> None:
-    """GRPO on a verifiable reward: the prompt "a+b=" (a + b <= 9), one answer token, reward 1 if it is the sum."""
+DIGITS, PLUS, EQUALS = list(range(10)), 10, 11  # the arithmetic task's own small vocabulary
+
+
+def scenario_grpo(args) -> None:
+    """GRPO on a verifiable reward: prompt "a+b=" (a + b <= 9), one answer token sampled from the policy itself,
+    reward 1 when it is the sum. Group-normalised advantages (spade_mega.rl), one optimizer step per batch."""
     import torch
 
     from spade_mega.megatron import TrainSample
     from spade_mega.rl.advantages import agent_advantages
 
-    digits = [ord(str(d)) for d in range(10)]
+    trainer = trainer_for(args)
     g = torch.Generator().manual_seed(0)
     pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
-    group = 8
+    prompts_per_step, group = 16, 8
     rewards = []
     for _ in range(args.steps):
-        picks = torch.randint(len(pairs), (8,), generator=g).tolist()
-        prompts = [torch.tensor([ord(c) for c in f"{pairs[k][0]}+{pairs[k][1]}="]) for k in picks]
-        # sample the answers from the policy itself (temperature 1): logits of the position after each prompt
-        probe = [TrainSample(torch.cat([p, p.new_zeros(1)]), torch.zeros(len(p) + 1, dtype=torch.bool),
-                             torch.zeros(len(p) + 1)) for p in prompts]
-        next_logits = torch.stack([lg[-1] for lg in trainer.logits(probe)])
-        answers = torch.multinomial(torch.softmax(next_logits, -1), group, replacement=True, generator=g)
+        picks = torch.randint(len(pairs), (prompts_per_step,), generator=g).tolist()
+        prompts = [torch.tensor([pairs[k][0], PLUS, pairs[k][1], EQUALS]) for k in picks]
+        # the answer's distribution: logits at the position after the prompt (row t: token t given tokens[:t])
+        probe = [TrainSample(torch.cat([p, p.new_zeros(1)]), torch.zeros(5, dtype=torch.bool), torch.zeros(5))
+                 for p in prompts]
+        next_logits = torch.stack([logits[-1] for logits in trainer.logits(probe)])
+        answers = torch.multinomial(torch.softmax(next_logits / trainer.objective.temperature, -1), group,
+                                    replacement=True, generator=g)
         samples, reward, groups = [], [], []
         for k, prompt in enumerate(prompts):
             for token in answers[k].tolist():
-                tokens = torch.cat([prompt, torch.tensor([token])])
-                mask = torch.zeros(len(tokens), dtype=torch.bool)
-                mask[-1] = True
-                samples.append(TrainSample(tokens, mask, torch.zeros(len(tokens))))
-                reward.append(float(token == digits[sum(pairs[picks[k]])]))
+                samples.append(TrainSample(torch.cat([prompt, torch.tensor([token])]),
+                                           torch.tensor([False] * 4 + [True]), torch.zeros(5)))
+                reward.append(float(token == DIGITS[sum(pairs[picks[k]])]))
                 groups.append(k)
         advantages = agent_advantages(torch.tensor(reward), torch.tensor(groups))
-        for s, a in zip(samples, advantages.tolist()):
-            s.advantages = torch.where(s.loss_mask, torch.tensor(a), torch.tensor(0.0))
+        for sample, advantage in zip(samples, advantages.tolist()):
+            sample.advantages = torch.where(sample.loss_mask, torch.tensor(advantage), torch.tensor(0.0))
         trainer.train_step(samples)
         rewards.append(sum(reward) / len(reward))
     write_json(args.out / "grpo.json", {"mean_reward": rewards})
 
 
-def scenario_killsave(args, trainer) -> None:
+def scenario_killsave(args) -> None:
+    """Resume from the newest complete checkpoint under --out/ckpt if any, save, train one step, then save again
+    (the test kills that second save)."""
+    from spade_mega.megatron import find_latest
+
+    trainer = trainer_for(args)
+    latest = find_latest(args.out / "ckpt")
+    if latest is not None:
+        print("LOADED", trainer.load(str(args.out / "ckpt")), flush=True)
     trainer.save(str(args.out / "ckpt"))
     trainer.train_step(make_batch(1))
     print("SAVING", flush=True)
@@ -158,28 +181,146 @@ def scenario_killsave(args, trainer) -> None:
     print("SAVED", flush=True)
 
 
+def scenario_compat(args) -> None:
+    """Which shims install (and the evidence), then whether each patched behaviour is right."""
+    import numpy as np
+    import torch
+
+    if args.no_triton:
+        sys.modules["triton"] = None  # as on a machine without triton
+    from spade_mega.megatron import compat
+
+    applied = compat.install()
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    checks = {}
+    before = torch.get_rng_state()
+    tracker = CudaRNGStatesTracker()
+    tracker.add("stream", 5)
+    with tracker.fork("stream"):
+        first = torch.rand(4)
+    with tracker.fork("stream"):
+        second = torch.rand(4)
+    again = CudaRNGStatesTracker()
+    again.add("stream", 5)
+    with again.fork("stream"):
+        replay = torch.rand(4)
+    checks["rng_tracker"] = bool(torch.equal(first, replay) and not torch.equal(first, second)
+                                 and torch.equal(before, torch.get_rng_state()))
+    stream = torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.Stream())
+    with torch.cuda.stream(stream):
+        event = stream.record_event()
+    checks["cuda_runtime"] = torch.cuda.current_device() == torch.device("cpu") and event.query()
+    checks["device_literals"] = schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.full((2,), 3.0)
+    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=2.0)
+    checks["type_names"] = bool(torch.allclose(param.grad, torch.full((2,), 1.5), rtol=1e-5)) \
+        and param.type() == "torch.FloatTensor"
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, tensor_model_parallel_size=2,
+                               sequence_parallel=True, normalization="RMSNorm")
+    norm = torch_norm.WrappedTorchNorm(config=config, hidden_size=8)
+    checks["torch_norm_sp"] = isinstance(norm, torch.nn.RMSNorm) and \
+        all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 3]), as_numpy=True)
+    checks["alltoall_splits"] = isinstance(splits, np.ndarray) and splits.tolist() == [2, 3]
+    if args.no_triton:
+        from megatron.core.transformer.moe.ops import paged_stash
+
+        try:
+            paged_stash.paged_stash_copy_kernel()
+        except RuntimeError as exc:
+            checks["paged_stash"] = "needs triton" in str(exc)
+    import megatron.core
+
+    print(json.dumps({"version": megatron.core.__version__, "applied": applied, "checks": checks}))
+
+
+def scenario_single(args) -> None:
+    """One process: log-probs at the initial weights; then, for every loss aggregation, one step with each sample in
+    its own micro-batch and one with the whole batch in one row (same loss and update expected)."""
+    import torch
+
+    trainer = trainer_for(args)
+    trainer.save(str(args.out / "single_init"))
+    budgets = {"one_per_micro_batch": 18, "all_in_one_row": 200}
+    result: dict = {"logprobs": {}, "steps": {}}
+    for name, budget in budgets.items():
+        trainer.cfg.parallel.max_tokens_per_gpu = budget
+        result["logprobs"][name] = [lp.tolist() for lp in trainer.logprobs(make_batch(1))]
+    for aggregation in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        trainer.cfg.rl.loss_aggregation = aggregation
+        for name, budget in budgets.items():
+            trainer.load(str(args.out / "single_init"))
+            trainer.cfg.parallel.max_tokens_per_gpu = budget
+            result["steps"][f"{aggregation}/{name}"] = trainer.train_step(make_batch(1)).metrics
+            torch.save(torch.cat([p.detach().reshape(-1) for p in trainer.model[0].module.parameters()]),
+                       args.out / f"single_{aggregation}_{name}.pt")
+    write_json(args.out / "single.json", result)
+
+
+def scenario_qwen3_30b(args) -> None:
+    """The exact Qwen3-30B-A3B TransformerConfig from its config.json, and the parameters of a 2-layer slice of it
+    built on the meta device (all 48 layers are identical; building 6144 expert modules would only cost time)."""
+    import dataclasses
+
+    import torch
+
+    from spade_mega.config.schema import ParallelConfig
+    from spade_mega.megatron.parallel import init_distributed, initialize, resolve_layout
+    from spade_mega.megatron.providers import Backend, build_model_chunks, model_config_from_hf, transformer_config
+
+    model = model_config_from_hf(args.hf_config)
+    parallel = ParallelConfig()
+    meta = Backend("local", torch.device("meta"))
+    config = transformer_config(model, parallel, meta, perform_initialization=False)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "layernorm_epsilon", "qk_layernorm",
+              "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias",
+              "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+              "bf16", "moe_router_pre_softmax")
+    result = {"config": {f: getattr(config, f) for f in fields}, "activation": config.activation_func.__name__}
+    sliced = dataclasses.replace(model, num_layers=2)
+    initialize(resolve_layout(parallel, sliced, init_distributed()), 0)
+    with torch.device("meta"):
+        chunk = build_model_chunks(sliced, transformer_config(sliced, parallel, meta, perform_initialization=False),
+                                   meta)[0]
+    sizes = {name: p.numel() for name, p in chunk.named_parameters()}
+    result.update(slice_layers=2, slice_total=sum(sizes.values()),
+                  slice_expert=sum(n for name, n in sizes.items() if ".mlp.experts." in name),
+                  devices=sorted({p.device.type for p in chunk.parameters()}))
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave"])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "compat", "single",
+                                             "qwen3_30b"])
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")
     parser.add_argument("--dump", nargs="*", default=[])
     parser.add_argument("--continue-run", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--hf-config")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
 
     import torch
 
     torch.set_num_threads(1)
-    from spade_mega.megatron import Trainer
+    globals()[f"scenario_{args.scenario}"](args)
+    if args.scenario != "compat":
+        from spade_mega.megatron.parallel import shutdown
 
-    trainer = Trainer(config(args.overrides))
-    globals()[f"scenario_{args.scenario}"](args, trainer)
-    from spade_mega.megatron.parallel import shutdown
-
-    shutdown()
+        shutdown()
 
 
 if __name__ == "__main__":

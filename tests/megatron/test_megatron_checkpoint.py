@@ -1,0 +1,97 @@
+"""Checkpoints are atomic: a save killed midway leaves no checkpoint that looks complete, loading refuses what is
+incomplete, and the next run resumes from the newest complete one and cleans up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import worker_command, worker_env
+
+from spade_mega.megatron import CheckpointError, find_latest
+from spade_mega.megatron.checkpoint import MANIFEST, is_complete, read_manifest
+
+pytestmark = pytest.mark.multiproc  # the trainer runs in worker processes
+
+
+def kill_second_save(out: Path) -> list[Path]:
+    """Run killsave and SIGKILL its process group once the second save has started writing; the partial folders."""
+    proc = subprocess.Popen(worker_command(1, "killsave", out), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=worker_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("SAVING"):
+                break
+        deadline = time.monotonic() + 120
+        partial: list[Path] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            partial = [p for p in (out / "ckpt").glob(".step_00000001.partial-*") if any(p.iterdir())]
+            if partial:
+                break
+            time.sleep(0.002)
+        assert partial, "the second save never started writing"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return partial
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    out = tmp_path_factory.mktemp("megatron_killsave")
+    return out, kill_second_save(out)
+
+
+def test_killed_save_leaves_no_complete_looking_checkpoint(crashed: tuple[Path, list[Path]]) -> None:
+    out, partial = crashed
+    root = out / "ckpt"
+    assert not (root / "step_00000001").exists()
+    assert find_latest(root) == root / "step_00000000"
+    assert all(p.exists() and not is_complete(p) and not (p / MANIFEST).exists() for p in partial)
+    with pytest.raises(CheckpointError, match="interrupted"):
+        read_manifest(partial[0])
+
+
+def test_next_run_resumes_from_the_newest_complete_checkpoint_and_cleans_up(
+        crashed: tuple[Path, list[Path]]) -> None:
+    out, partial = crashed
+    proc = subprocess.run(worker_command(1, "killsave", out), capture_output=True, text=True, env=worker_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED 0" in proc.stdout and "SAVED" in proc.stdout
+    root = out / "ckpt"
+    assert not any(p.exists() for p in partial) and not list(root.glob(".*"))
+    assert find_latest(root) == root / "step_00000001"
+    manifest = read_manifest(root / "step_00000001")
+    assert manifest["step"] == 1 and manifest["optimizer_state"] and manifest["world_size"] == 1
+    assert not read_manifest(root / "step_00000000")["optimizer_state"]  # before the first update: model only
+
+
+def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        read_manifest(tmp_path / "step_00000003")
+    fake = tmp_path / "step_00000003"
+    fake.mkdir()
+    with pytest.raises(CheckpointError, match="interrupted"):
+        read_manifest(fake)
+    (fake / MANIFEST).write_text(json.dumps({"format": 99, "step": 3}))
+    with pytest.raises(CheckpointError, match="format 99"):
+        read_manifest(fake)
+    assert find_latest(tmp_path / "missing") is None
+
+
+def test_checkpoint_of_another_architecture_is_refused(crashed: tuple[Path, list[Path]]) -> None:
+    out, _ = crashed
+    proc = subprocess.run(worker_command(1, "resume", out, "--load", str(out / "ckpt" / "step_00000000"),
+                                         "model.num_experts=8"),
+                          capture_output=True, text=True, env=worker_env(), timeout=300)
+    assert proc.returncode != 0
+    assert "another model architecture" in proc.stderr and "num_experts" in proc.stderr
