@@ -9,8 +9,8 @@ computes the same plan. Samples are spread over data-parallel ranks balancing to
 into rows of at most ``token_budget`` tokens. A row holds whole samples back to back; attention never crosses a sample
 boundary (a block-diagonal causal mask on the local spec, ``cu_seqlens`` for Transformer Engine). Every data-parallel
 rank runs the same number of micro-batches (expert-parallel all-to-alls span data-parallel ranks); ranks with fewer
-get empty ones. Row lengths are padded only to what sequence / context parallelism need (pipeline stages exchange
-each micro-batch's shape, so rows need not share one length).
+get empty ones. Row lengths are padded to what sequence / context parallelism need; pipeline stages exchange each
+micro-batch's shape, except under the interleaved (virtual-stage) schedule, whose rows all get one length.
 """
 
 from __future__ import annotations
@@ -213,11 +213,12 @@ def _row(samples: Sequence[TrainSample], length: int) -> MicroBatch:
 
 
 def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: int = 1, length_multiple: int = 1,
-         count_multiple: int = 1) -> PackPlan:
+         count_multiple: int = 1, common_length: bool = False) -> PackPlan:
     """Plan the micro-batches of a global batch.
 
     ``length_multiple``: every row length is a multiple of it (TP for sequence parallelism, 2*CP for context
     parallelism). ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline schedule needs PP).
+    ``common_length``: all rows of a rank get the longest row's length (the interleaved schedule's fixed shapes).
     """
     if not samples:
         raise BatchError("the batch is empty")
@@ -236,5 +237,7 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
     for bins in per_rank:
         bins = bins + [[] for _ in range(count - len(bins))]
         lengths = [_round_up(sum(len(s) for s in b), length_multiple) for b in bins]
+        if common_length:
+            lengths = [max(lengths)] * len(lengths)
         plan.append([_row(b, n) for b, n in zip(bins, lengths)])
     return PackPlan(plan)

@@ -226,7 +226,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Ba
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor or parallel.tensor,
-        variable_seq_lengths=parallel.pipeline > 1,  # packed rows differ in length; stages exchange shapes
+        # packed rows differ in length: stages exchange shapes (the interleaved schedule gets one length instead)
+        variable_seq_lengths=parallel.pipeline > 1 and parallel.virtual_pipeline is None,
+        # gloo's batched isend/irecv garbles the interleaved schedule's overlapping exchanges (wrong losses with
+        # virtual stages, measured); separate sends and receives are exact. NCCL batches them.
+        batch_p2p_comm=backend.te,
         use_cpu_initialization=not backend.te,
         perform_initialization=perform_initialization,
         # fusions need CUDA kernels (and Transformer Engine for RoPE)

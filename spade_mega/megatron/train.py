@@ -121,7 +121,8 @@ class Trainer:
     def _plan(self, batch: Sequence[TrainSample]) -> PackPlan:
         return pack(batch, token_budget=self.cfg.parallel.max_tokens_per_gpu, data_parallel=self.layout.data,
                     length_multiple=self.layout.tensor if self.layout.sequence_parallel else 1,
-                    count_multiple=self.layout.pipeline if self.layout.virtual_pipeline else 1)
+                    count_multiple=self.layout.pipeline if self.layout.virtual_pipeline else 1,
+                    common_length=self.layout.virtual_pipeline is not None)
 
     def _check(self, batch: Sequence[TrainSample]) -> None:
         vocab = self.model_cfg.vocab_size

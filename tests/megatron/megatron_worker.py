@@ -37,6 +37,9 @@ def config(overrides: list[str]):
     return cfg
 
 
+LENGTHS = (16, 16, 12, 12, 10, 10)
+
+
 def make_batch(seed: int):
     """Six multi-turn samples of both roles with behaviour and old log-probs that differ from the policy's, so the
     PPO ratio, clipping and truncated IS are all active. Lengths come in equal pairs: with the token budget of 18 each
@@ -48,7 +51,7 @@ def make_batch(seed: int):
 
     g = torch.Generator().manual_seed(seed)
     samples = []
-    for i, n in enumerate((16, 16, 12, 12, 10, 10)):
+    for i, n in enumerate(LENGTHS):
         tokens = torch.randint(0, VOCAB, (n,), generator=g)
         mask = torch.zeros(n, dtype=torch.bool)
         mask[3:6] = True  # first model turn
@@ -310,12 +313,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-triton", action="store_true")
     parser.add_argument("--hf-config")
+    parser.add_argument("--equal-lengths", action="store_true",
+                        help="samples of 16 tokens only (layouts that pad rows to one length: no padding at all)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
 
     import torch
 
     torch.set_num_threads(1)
+    if args.equal_lengths:
+        global LENGTHS
+        LENGTHS = (16,) * len(LENGTHS)
     globals()[f"scenario_{args.scenario}"](args)
     if args.scenario != "compat":
         from spade_mega.megatron.parallel import shutdown

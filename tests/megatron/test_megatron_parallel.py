@@ -1,5 +1,6 @@
-"""One GRPO training step in TP2+SP, EP2, PP2 and TP2xEP2 (gloo, CPU) equals the single-process step; a checkpoint
-saved in TP2xEP2 loads into TP1 and PP2 with the same logits, and the resumed runs continue with the same losses."""
+"""One GRPO training step in TP2+SP, EP2, PP2, TP2xEP2 and PP2 with virtual stages (gloo, CPU) equals the
+single-process step; a checkpoint saved in TP2xEP2 loads into TP1 and PP2 with the same logits, and the resumed runs
+continue with the same losses."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pipeline=2"]),
     "tp2_ep2": (4, [*TP2_SP, "parallel.expert=2"]),
 }
+# The interleaved schedule needs more layers than pipeline stages: its own 4-layer reference. It pads all rows to one
+# length, and padding tokens enter the MoE load-balancing loss: samples of equal length keep the comparison exact.
+VPP = ("pp2_vpp2", 2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"])
+FOUR_LAYERS = ["model.num_layers=4", "--equal-lengths"]
 RESUMES = {"resume_tp1": (1, []), "resume_pp2": (2, ["parallel.pipeline=2"])}
 COMPARED = ("loss", "pg_loss", "clip_frac", "approx_kl", "tis_ratio_mean", "tis_ratio_max", "grad_norm",
             "moe_load_balancing_loss")
@@ -25,7 +30,7 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("megatron_layouts")
     run_worker(1, "reference", out)
     for tag, (nproc, overrides) in LAYOUTS.items():
@@ -34,7 +39,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for tag, (nproc, overrides) in RESUMES.items():
         dump = ["--dump", "init", "reference", *LAYOUTS] if tag == "resume_tp1" else []
         run_worker(nproc, "resume", out, "--tag", tag, "--load", str(out / "tp2_ep2"), *dump, *overrides)
-    return out
+    four = out / "four_layers"
+    four.mkdir()
+    tag, nproc, overrides = VPP
+    run_worker(1, "reference", four, *FOUR_LAYERS)
+    run_worker(nproc, "layout", four, "--tag", tag, *FOUR_LAYERS, *overrides)
+    run_worker(1, "resume", four, *FOUR_LAYERS, "--tag", "resume_tp1", "--load", str(four / tag),
+               "--dump", "init", "reference", tag)
+    return {layout: out for layout in LAYOUTS} | {tag: four}
 
 
 def rel_err(a: float, b: float) -> float:
@@ -46,15 +58,16 @@ def assert_metrics_match(got: dict, want: dict, what: str) -> None:
         assert rel_err(got[key], want[key]) < RTOL, f"{what}: {key} = {got[key]!r}, expected {want[key]!r}"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_one_step_matches_single_process(runs: Path, layout: str) -> None:
-    want = read_json(runs / "reference.json")["step1"]
-    got = read_json(runs / f"{layout}.json")["step1"]
+@pytest.mark.parametrize("layout", [*LAYOUTS, VPP[0]])
+def test_one_step_matches_single_process(runs: dict[str, Path], layout: str) -> None:
+    out = runs[layout]
+    want = read_json(out / "reference.json")["step1"]
+    got = read_json(out / f"{layout}.json")["step1"]
     assert want["micro_batches"] == 6 and want["clip_frac"] > 0, "the batch must exercise several micro-batches"
     assert_metrics_match(got, want, layout)
-    initial = torch.load(runs / "init_weights.pt")
-    reference = torch.load(runs / "reference_weights.pt")
-    weights = torch.load(runs / f"{layout}_weights.pt")
+    initial = torch.load(out / "init_weights.pt")
+    reference = torch.load(out / "reference_weights.pt")
+    weights = torch.load(out / f"{layout}_weights.pt")
     assert weights.keys() == reference.keys() == initial.keys()
     for name, w in reference.items():
         err = float((weights[name] - w).norm() / w.norm())
@@ -67,18 +80,19 @@ def test_one_step_matches_single_process(runs: Path, layout: str) -> None:
 
 
 @pytest.mark.parametrize("resume", list(RESUMES))
-def test_tp2ep2_checkpoint_loads_with_identical_logits(runs: Path, resume: str) -> None:
-    saved = torch.load(runs / "tp2_ep2_logits.pt")
-    loaded = torch.load(runs / f"{resume}_logits.pt")
-    assert read_json(runs / f"{resume}.json")["loaded_step"] == 1
+def test_tp2ep2_checkpoint_loads_with_identical_logits(runs: dict[str, Path], resume: str) -> None:
+    out = runs["tp2_ep2"]
+    saved = torch.load(out / "tp2_ep2_logits.pt")
+    loaded = torch.load(out / f"{resume}_logits.pt")
+    assert read_json(out / f"{resume}.json")["loaded_step"] == 1
     assert loaded.shape == saved.shape
     err = float((loaded - saved).abs().max() / saved.abs().max())
     assert err < RTOL, f"{resume}: logits after loading the TP2xEP2 checkpoint differ (relative {err:.2e})"
 
 
 @pytest.mark.parametrize("resume", list(RESUMES))
-def test_resumed_run_continues_with_same_losses(runs: Path, resume: str) -> None:
-    uninterrupted = read_json(runs / "tp2_ep2.json")
-    resumed = read_json(runs / f"{resume}.json")
+def test_resumed_run_continues_with_same_losses(runs: dict[str, Path], resume: str) -> None:
+    uninterrupted = read_json(runs["tp2_ep2"] / "tp2_ep2.json")
+    resumed = read_json(runs["tp2_ep2"] / f"{resume}.json")
     for step in ("step2", "step3"):
         assert_metrics_match(resumed[step], uninterrupted[step], f"{resume} {step}")
