@@ -4,7 +4,8 @@
 Atomic: every rank writes into ``root/.step_<N>.partial-<id>``; once all ranks are done, rank 0 adds the manifest
 ``spade_checkpoint.json``, fsyncs the files and renames the folder to ``root/step_<N>``. A folder is a checkpoint only
 if it has that name *and* the manifest, so a save killed at any point leaves either nothing new or a hidden partial
-folder that loading refuses and the next save removes. The newest checkpoint is found by scanning (no ``latest``
+folder that loading refuses and the next save removes (a same-step checkpoint being replaced is set aside, not
+deleted, until its replacement is in place). The newest checkpoint is found by scanning (no ``latest``
 pointer that could disagree with the folders).
 
 The optimizer state is saved ``fully_reshardable`` (per parameter, not as Megatron's internal flat buffers), which is
@@ -22,7 +23,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from spade_mega.errors import SpadeError
@@ -170,6 +170,19 @@ def _architecture(trainer: "Trainer") -> dict[str, Any]:
     return {k: getattr(m, k) for k in keys}
 
 
+def _recover(root: Path) -> None:
+    """Tidy what a killed save left: partial folders go; a complete checkpoint set aside to be replaced by a save of
+    the same step comes back if its replacement never arrived."""
+    for stale in root.glob(".step_*.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for replaced in root.glob(".step_*.replaced-*"):
+        original = root / replaced.name[1:].split(".replaced-")[0]
+        if original.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.rename(replaced, original)
+
+
 def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
     """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
 
@@ -182,8 +195,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
     name = [None]
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.partial-*"):  # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        _recover(root)
         name = [f".{final.name}.partial-{uuid.uuid4().hex[:12]}"]
         (root / name[0]).mkdir()
     dist.broadcast_object_list(name, src=0)
@@ -249,5 +261,5 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
     trainer.step = int(state["step"])
     if trainer.step != manifest["step"]:
         raise CheckpointError(f"{path}: manifest step {manifest['step']} but saved state step {trainer.step}")
-    torch.distributed.barrier()
+    dist.barrier()
     return trainer.step

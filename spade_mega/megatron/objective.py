@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import KernelsConfig, RLConfig
 from spade_mega.rl.loss import policy_loss
 
@@ -60,5 +61,7 @@ class Objective:
 def select_objective(rl: RLConfig, kernels: KernelsConfig, temperature: float) -> Objective:
     """The objective of a run: the sampling temperature its log-probs are taken at, the kernels switch."""
     if temperature <= 0:
-        raise ValueError(f"log-probs need a sampling temperature > 0, got {temperature}")
+        raise ConfigError("rollout.temperature", f"the trained log-probs are taken at the sampling temperature, "
+                                                 f"which must be > 0 (greedy rollouts cannot be trained on), "
+                                                 f"got {temperature}")
     return Objective(rl=rl, kernels=kernels, temperature=temperature)

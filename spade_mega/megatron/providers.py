@@ -72,7 +72,7 @@ def select_backend() -> Backend:
         raise BackendError(
             f"a CUDA GPU is present but Transformer Engine cannot be imported ({exc}); "
             "install the GPU extra: pip install 'spade-mega[gpu]'") from None
-    return Backend("transformer_engine", torch.device("cuda", torch.cuda.current_device()))
+    return Backend("transformer_engine", torch.device("cuda"))  # the current device, set per rank at start-up
 
 
 def _hf_error(path: Path, key: str, message: str) -> ConfigError:
@@ -286,8 +286,3 @@ def build_model_chunks(model: ModelConfig, config: Any, backend: Backend) -> lis
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     return chunks
-
-
-def is_expert_parameter(param: torch.nn.Parameter) -> bool:
-    """Megatron marks expert weights ``allreduce = False`` (their gradients reduce over the expert-data group)."""
-    return not getattr(param, "allreduce", True)

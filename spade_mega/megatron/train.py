@@ -103,7 +103,8 @@ class Trainer:
             self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps, lr_decay_steps=horizon, lr_decay_style=opt.lr_schedule,
             start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=horizon, wd_incr_style="constant")
-        self.objective: Objective = select_objective(cfg.rl, cfg.kernels, temperature or cfg.rollout.temperature)
+        self.objective: Objective = select_objective(
+            cfg.rl, cfg.kernels, cfg.rollout.temperature if temperature is None else temperature)
         self.step = 0
         self._ps = ps
 

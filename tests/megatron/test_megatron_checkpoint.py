@@ -95,3 +95,14 @@ def test_checkpoint_of_another_architecture_is_refused(crashed: tuple[Path, list
                           capture_output=True, text=True, env=worker_env(), timeout=300)
     assert proc.returncode != 0
     assert "another model architecture" in proc.stderr and "num_experts" in proc.stderr
+
+
+def test_a_replaced_checkpoint_comes_back_if_its_replacement_never_arrived(tmp_path: Path) -> None:
+    from spade_mega.megatron.checkpoint import _recover
+
+    set_aside = tmp_path / ".step_00000002.replaced-abc"
+    set_aside.mkdir()
+    (set_aside / MANIFEST).write_text(json.dumps({"format": 1, "step": 2}))
+    (tmp_path / ".step_00000003.partial-def").mkdir()
+    _recover(tmp_path)
+    assert find_latest(tmp_path) == tmp_path / "step_00000002" and not list(tmp_path.glob(".*"))
