@@ -124,11 +124,11 @@ class MicroBatch:
         causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
         return ~(same & causal)[None, None]
 
-    def packed_seq_params(self) -> Any:
+    def packed_seq_params(self, device: torch.device) -> Any:
         """Transformer Engine's THD description of the row (attention per segment, RoPE restarting per segment)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = self.cu_seqlens.to(torch.int32)
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
         longest = int(torch.diff(cu).max())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                max_seqlen_kv=longest)

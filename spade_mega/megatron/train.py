@@ -136,7 +136,7 @@ class Trainer:
         device = self.backend.device
         inputs: dict[str, Any] = dict(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device))
         if self.backend.te:
-            inputs.update(attention_mask=None, packed_seq_params=mb.packed_seq_params())
+            inputs.update(attention_mask=None, packed_seq_params=mb.packed_seq_params(device))
         else:
             inputs.update(attention_mask=mb.attention_mask().to(device))
         return inputs

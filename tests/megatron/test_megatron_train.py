@@ -98,3 +98,12 @@ def test_grpo_learns_one_digit_sums(tmp_path: Path) -> None:
     assert len(rewards) == 30
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert end > 2 * start and end - start > 0.1, f"mean reward {start:.3f} -> {end:.3f}: {rewards}"
+
+
+def test_step_through_the_triton_kernels_equals_the_reference_step(single: tuple[Path, dict], tmp_path: Path) -> None:
+    """kernels.enabled routes the log-probs through spade_mega.kernels (the interpreter without a GPU)."""
+    run_worker(1, "reference", tmp_path, "kernels.enabled=true", "model.moe_aux_loss_coeff=0.0")
+    fused = read_json(tmp_path / "reference.json")["step1"]
+    plain = single[1]["steps"]["token-mean/one_per_micro_batch"]
+    for key in ("loss", "grad_norm", "clip_frac", "tis_ratio_mean", "approx_kl"):
+        assert fused[key] == pytest.approx(plain[key], rel=1e-5), key
