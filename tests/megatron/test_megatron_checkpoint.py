@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import worker_command, worker_env
+from megatron_launch import worker_command, worker_env
 
 from spade_mega.megatron import CheckpointError, find_latest
 from spade_mega.megatron.checkpoint import MANIFEST, is_complete, read_manifest

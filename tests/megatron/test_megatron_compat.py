@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import worker_command, worker_env
+from megatron_launch import worker_command, worker_env
 
 from spade_mega.megatron import compat
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_json, run_worker
+from megatron_launch import read_json, run_worker
 
 pytestmark = pytest.mark.multiproc
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import worker_command, worker_env
+from megatron_launch import worker_command, worker_env
 
 from spade_mega.config import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_json, run_worker
+from megatron_launch import read_json, run_worker
 from megatron_worker import make_batch
 
 from spade_mega.config.loader import build
