@@ -16,8 +16,6 @@ from megatron_launch import worker_command, worker_env
 from spade_mega.megatron import CheckpointError, find_latest
 from spade_mega.megatron.checkpoint import MANIFEST, is_complete, read_manifest
 
-pytestmark = pytest.mark.multiproc  # the trainer runs in worker processes
-
 
 def kill_second_save(out: Path) -> list[Path]:
     """Run killsave and SIGKILL its process group once the second save has started writing; the partial folders."""

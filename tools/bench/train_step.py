@@ -107,10 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     data = to_dict(SpadeConfig())
     data["optimizer"]["lr"] = 1e-5
     data["parallel"]["max_tokens_per_gpu"] = args.token_budget
-    if args.mfu:
-        data["model"]["hf_config"] = str(QWEN3_30B)
     cfg = build(SpadeConfig, apply_overrides(data, args.overrides))
-    if args.mfu:
+    if args.mfu:  # one layer of Qwen3-30B-A3B, with its full vocabulary
         from spade_mega.megatron.providers import model_config_from_hf
 
         cfg.model = dataclasses.replace(model_config_from_hf(QWEN3_30B), num_layers=1, hf_config=None)
