@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from spade_mega.kernels.dispatch import launch, use_kernel
-from spade_mega.rl.advantages import DESIGNER, _check_rewards, grpo_advantages, token_advantages
+from spade_mega.rl.advantages import DESIGNER, check_rewards, grpo_advantages, token_advantages
 
 BLOCK_S = 128  # samples per step of a segment's statistics loops; SPADE groups hold 16
 BLOCK_W = 8  # samples per step of the write loop: an [8, 128] token tile is 8 values a thread (72 registers)
@@ -203,7 +203,7 @@ class GrpoAdvantageFunction(torch.autograd.Function):
 def _check(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Tensor,
            designer_scale: float, valid: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]) -> None:
     """The reference's input checks, with its messages, so both paths refuse the same inputs alike."""
-    _check_rewards(rewards)
+    check_rewards(rewards)
     n = rewards.shape[0]
     for name, t in (("group_ids", group_ids), ("roles", roles), ("skill_ids", skill_ids)):
         if t.shape != (n,):

@@ -28,7 +28,7 @@ def ids_of(labels: Sequence[Hashable]) -> torch.Tensor:
     return torch.tensor([index.setdefault(label, len(index)) for label in labels], dtype=torch.long)
 
 
-def _check_rewards(rewards: torch.Tensor) -> None:
+def check_rewards(rewards: torch.Tensor) -> None:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [samples], got shape {tuple(rewards.shape)}")
     if rewards.numel() and not torch.isfinite(rewards).all():
@@ -55,7 +55,7 @@ def grpo_advantages(
     (:data:`AGENT` or :data:`DESIGNER`); ``skill_ids`` [N] int (used for designer rows); ``valid`` [N] bool or None.
     Agent rows are grouped by ``group_ids``, designer rows by ``skill_ids``; the two roles never share a group.
     """
-    _check_rewards(rewards)
+    check_rewards(rewards)
     n = rewards.shape[0]
     for name, t in (("group_ids", group_ids), ("roles", roles), ("skill_ids", skill_ids)):
         if t.shape != (n,):
