@@ -29,6 +29,7 @@ def ids_of(labels: Sequence[Hashable]) -> torch.Tensor:
 
 
 def check_rewards(rewards: torch.Tensor) -> None:
+    """Refuse rewards that would make advantages meaningless (wrong shape, NaN or inf), naming the rows."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [samples], got shape {tuple(rewards.shape)}")
     if rewards.numel() and not torch.isfinite(rewards).all():
