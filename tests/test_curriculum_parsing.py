@@ -209,3 +209,56 @@ def test_agent_output_without_tag_falls_back_to_the_answer() -> None:
 def test_property_agent_parser_never_raises(text: str) -> None:
     action = parse_agent_output(text)
     assert isinstance(action.text, str) and len(action.text) <= 4096
+
+
+# ------------------------------------------------------------------------------------------- fences and reasoning
+
+DOC_WITH_FENCE = '''class Quiz:
+    """Example round:
+```
+guess 3
+```
+"""
+
+    def reset(self, seed):
+        return "guess"
+
+    def step(self, a):
+        return "", 0.0, True, False, {}
+'''
+
+
+@pytest.mark.parametrize("open_fence, close_fence", [("````python", "````"), ("~~~python", "~~~"),
+                                                     ("```python title=env.py", "```"), ("`````py", "``````")])
+def test_longer_tilde_and_info_string_fences_hold_the_program(open_fence: str, close_fence: str) -> None:
+    # CommonMark: a fence closes only with the same character, at least as long, so a program whose text holds ```
+    # lines can be sent inside a longer fence; an info string after the language is allowed.
+    source = DOC_WITH_FENCE if open_fence[0] == close_fence[0] and len(close_fence) > 3 else GOOD_SOURCE
+    text = f"<skill>logic</skill>\n<hint>h</hint>\n{open_fence}\n{source}{close_fence}\n"
+    assert parse_designer_output(text, SKILLS).source == source
+
+
+def test_a_shorter_or_other_fence_inside_a_block_does_not_close_it() -> None:
+    text = f"<skill>logic</skill>\n<hint>h</hint>\n````python\n{DOC_WITH_FENCE}~~~~\n"
+    assert reason_of(text) is ParseReason.TRUNCATED  # ``` and ~~~~ lines are content of a ```` block
+
+
+@pytest.mark.timeout(60)  # a hang guard (backtracking took hours at this size), not a speed claim
+@pytest.mark.parametrize("line", ["```" + " " * 200_000 + "!", "```python" + "\t " * 100_000 + "x",
+                                  "~~~" + " " * 200_000 + "`", " " * 200_000 + "```"])
+def test_fence_lines_full_of_whitespace_do_not_backtrack(line: str) -> None:
+    assert reason_of(f"<skill>logic</skill>\n<hint>h</hint>\n{line}\n") in (ParseReason.NO_CODE_BLOCK,
+                                                                          ParseReason.TRUNCATED)
+
+
+def test_think_tags_inside_the_answer_are_program_text() -> None:
+    # The reasoning block ends at the first </think> (a thinking model always emits one, Qwen3 even an empty one);
+    # the program may itself mention the tags (an environment about chat formats), and a <think> that does not open
+    # the output starts no reasoning block.
+    source = GOOD_SOURCE.replace('f"total {self.total}"', '"strip <think>...</think> from replies"')
+    for text in ("<think>plan</think>\n" + output(source=source), "<think>\n\n</think>\n\n" + output(source=source),
+                 "okay, done thinking</think>\n" + output(source=source)):
+        assert parse_designer_output(text, SKILLS).source == source
+    opened_late = GOOD_SOURCE.replace('f"total {self.total}"', '"reply <think> to think"')
+    assert parse_designer_output(output(source=opened_late), SKILLS).source == opened_late
+    assert parse_agent_output("<think>a</think><action>say </think></action>").text == "say </think>"

@@ -27,7 +27,6 @@ from spade_mega.envs.program import EnvProgram
 from spade_mega.errors import SpadeError
 
 MAX_SOURCE_CHARS = 100_000  # a 16k-token designer budget is ~64k characters of code
-_FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[ \t]*$")
 _PYTHON_LANGS = frozenset({"", "python", "py", "python3"})
 _THINK_END = "</think>"
 
@@ -60,23 +59,49 @@ class DesignerParseError(SpadeError):
 
 
 def strip_reasoning(text: str) -> tuple[str, bool]:
-    """Drop a leading reasoning block; returns (answer, closed). An opened, never closed block is not closed."""
-    if _THINK_END in text:
-        return text.rsplit(_THINK_END, 1)[1], True
-    return text, "<think>" not in text
+    """Drop a leading reasoning block; returns (answer, closed). An opened, never closed block is not closed.
+
+    The block ends at the *first* ``</think>`` (reasoning cannot contain its own end; the answer may quote the tags),
+    and only a ``<think>`` that opens the output starts one (chat templates that open it in the prompt leave just
+    the ``</think>``).
+    """
+    _, end, answer = text.partition(_THINK_END)
+    if end:
+        return answer, True
+    return text, not text.lstrip().startswith("<think>")
+
+
+def _fence(line: str) -> tuple[str, str] | None:
+    """(fence, info string) when ``line`` is a CommonMark code fence (3+ backticks or tildes), else None.
+
+    A plain scan, not a regex: a fence line padded with 100k blanks must not cost backtracking time.
+    """
+    stripped = line.strip(" \t")
+    if stripped[:1] not in ("`", "~"):
+        return None
+    width = len(stripped) - len(stripped.lstrip(stripped[0]))
+    info = stripped[width:].strip()
+    if width < 3 or (stripped[0] == "`" and "`" in info):
+        return None
+    return stripped[:width], info
 
 
 def _code_blocks(text: str) -> tuple[list[tuple[str, str]], str, bool]:
-    """Fenced blocks as (language, body), the text outside them, and whether every fence was closed."""
-    blocks, outside, body, lang = [], [], None, ""
+    """Fenced blocks as (language, body), the text outside them, and whether every fence was closed.
+
+    As in CommonMark, a block closes only at a bare fence of the same character at least as long as the opening one,
+    so a program whose text holds ``` lines can be sent inside a ```` fence.
+    """
+    blocks, outside, body, lang, opening = [], [], None, "", ""
     for line in text.splitlines():
-        m = _FENCE.match(line)
+        fence = _fence(line)
         if body is None:
-            if m:
-                body, lang = [], m.group(1).lower()
+            if fence:
+                body, opening = [], fence[0]
+                lang = fence[1].split()[0].lower() if fence[1] else ""
             else:
                 outside.append(line)
-        elif m and not m.group(1):
+        elif fence and not fence[1] and fence[0][0] == opening[0] and len(fence[0]) >= len(opening):
             blocks.append((lang, "\n".join(body) + "\n"))
             body = None
         else:
