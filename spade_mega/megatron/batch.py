@@ -195,10 +195,7 @@ def _row(samples: Sequence[TrainSample], length: int) -> MicroBatch:
         adv[at:end - 1] = s.advantages[1:]
         if s.old_logprobs is not None:
             old[at:end - 1] = s.old_logprobs[1:]
-        if rollout is not None:
-            if s.rollout_logprobs is None:
-                raise BatchError(f"sample {s.index}: rollout_logprobs missing while other samples of the batch "
-                                 "have them (give them for all samples or none)")
+        if rollout is not None and s.rollout_logprobs is not None:  # pack() checked: all samples or none
             rollout[at:end - 1] = s.rollout_logprobs[1:]
         ids[at:end] = s.index
         bounds.append(end)
@@ -230,6 +227,10 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
         if len(s) > token_budget:
             raise BatchError(f"sample {s.index} has {len(s)} tokens, more than the micro-batch token budget "
                              f"parallel.max_tokens_per_gpu = {token_budget}; raise it or cap the rollout length")
+    missing = [s.index for s in samples if s.rollout_logprobs is None]
+    if missing and len(missing) < len(samples):
+        raise BatchError(f"sample {missing[0]}: rollout_logprobs missing while other samples of the batch have them "
+                         "(give them for all samples or none: truncated IS needs every sample's behaviour policy)")
     per_rank = [_bins(share, token_budget) for share in _assign_ranks(samples, data_parallel)]
     count = max(len(bins) for bins in per_rank)
     count = math.ceil(count / count_multiple) * count_multiple

@@ -253,8 +253,10 @@ class Trainer:
                 mb.loss_mask.to(device), mb.sample_ids.to(device),
                 rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(device),
                 normalizer=float(normalizer))
-            if self.reports_metrics:
-                n = float(metrics["num_tokens"])
+            n = float(metrics["num_tokens"])
+            # a micro-batch without loss tokens adds nothing (the empty ones that keep data-parallel ranks in step
+            # carry no rollout log-probs, so no TIS metrics either)
+            if self.reports_metrics and n > 0:
                 sums[0] += float(loss)
                 sums[1] += n
                 for k, key in enumerate(mean_keys):

@@ -314,15 +314,19 @@ def main() -> None:
     parser.add_argument("--hf-config")
     parser.add_argument("--equal-lengths", action="store_true",
                         help="samples of 16 tokens only (layouts that pad rows to one length: no padding at all)")
+    parser.add_argument("--num-samples", type=int, default=None,
+                        help="only the first N samples of each batch (an odd count leaves a data-parallel rank short)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
 
     import torch
 
     torch.set_num_threads(1)
+    global LENGTHS
     if args.equal_lengths:
-        global LENGTHS
         LENGTHS = (16,) * len(LENGTHS)
+    if args.num_samples is not None:
+        LENGTHS = LENGTHS[:args.num_samples]
     globals()[f"scenario_{args.scenario}"](args)
     if args.scenario != "compat":
         from spade_mega.megatron.parallel import shutdown

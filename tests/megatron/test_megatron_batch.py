@@ -111,3 +111,12 @@ def test_batch_level_errors() -> None:
     mixed = samples_from([multi_turn(5), TrainSample([1, 2], [False, True], [0.0, 1.0])])
     with pytest.raises(BatchError, match="rollout_logprobs missing"):
         pack(mixed, token_budget=10)
+
+
+@pytest.mark.parametrize("budget", [10, 5])
+def test_rollout_logprobs_for_some_samples_only_are_refused_however_the_batch_is_packed(budget: int) -> None:
+    """Truncated IS needs the behaviour log-probs of every sample (a delayed designer sample trained without them
+    would silently skip its correction): refused whether or not the samples share a row."""
+    mixed = samples_from([multi_turn(5), TrainSample([1, 2], [False, True], [0.0, 1.0])])
+    with pytest.raises(BatchError, match="sample 1: rollout_logprobs missing"):
+        pack(mixed, token_budget=budget)

@@ -79,6 +79,23 @@ def test_step_metrics_are_reported(single: tuple[Path, dict]) -> None:
     assert 0 < step["clip_frac"] < 1 and step["tis_ratio_max"] >= step["tis_ratio_mean"]
 
 
+@pytest.mark.multiproc
+def test_batch_not_splitting_evenly_over_data_parallel_ranks_matches_one_process(tmp_path: Path) -> None:
+    """Five samples over two data-parallel ranks: the short rank runs an empty micro-batch to keep the schedules in
+    step, and the step (loss, PPO and TIS metrics, gradient norm) is the one-process step. The MoE load-balancing
+    loss is off: it is a per-micro-batch quantity, and the two layouts cut the batch differently."""
+    common = ["--num-samples", "5", "model.moe_aux_loss_coeff=0.0"]
+    run_worker(1, "reference", tmp_path, *common)
+    run_worker(2, "layout", tmp_path, "--tag", "dp2", *common)
+    want = read_json(tmp_path / "reference.json")["step1"]
+    got = read_json(tmp_path / "dp2.json")["step1"]
+    assert (want["micro_batches"], got["micro_batches"]) == (5, 3)
+    assert got["loss_tokens"] == want["loss_tokens"]
+    for key in ("loss", "pg_loss", "clip_frac", "approx_kl", "tis_ratio_mean", "tis_ratio_max", "tis_truncated_frac",
+                "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
 @pytest.mark.parametrize("override, key", [("rl.kl_coef=0.1", "rl.kl_coef"), ("parallel.context=2", "parallel.context")])
 def test_unsupported_settings_are_refused_before_anything_starts(override: str, key: str) -> None:
     from spade_mega.config import ConfigError
