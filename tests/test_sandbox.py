@@ -335,3 +335,48 @@ def test_any_reply_bytes_decode_to_a_reply_or_a_stated_problem(body: bytes) -> N
     assert isinstance(decoded, (Reply, str))
     if isinstance(decoded, Reply):
         assert type(decoded.output) is str and type(decoded.output_overflow) is bool
+
+
+COUNTER = env_source("""
+    self.n = 0
+    return "start"
+""", """
+    self.n += 1
+    return f"n={self.n} {action}", 0.0, False, False, {}
+""", max_turns=50)
+
+
+def test_a_handle_outliving_its_pool_never_reaches_another_pools_worker() -> None:
+    with strict_pool(warm_workers=1) as first:
+        stale = first.open(program(COUNTER))
+        stale.reset(0)
+    with strict_pool(warm_workers=1) as second:  # its pipes may reuse the closed pool's descriptor numbers
+        with second.open(program(COUNTER)) as env:
+            env.reset(0)
+            with pytest.raises(SandboxCrash, match="already killed"):
+                stale.step("from the closed pool")
+            assert env.step("mine").observation == "n=1 mine"  # untouched by the stale handle
+
+
+def test_an_action_that_is_not_valid_text_fails_the_batch_before_anything_is_sent(pool: SandboxPool) -> None:
+    envs = [pool.open(program(COUNTER)) for _ in range(2)]
+    try:
+        pool.reset_many([(env, 0) for env in envs])
+        with pytest.raises(ValueError, match="UTF-8"):
+            pool.step_many([(envs[0], "fine"), (envs[1], "lone surrogate \udc80")])
+        with pytest.raises(ValueError, match="UTF-8"):
+            envs[1].step("\ud800")
+        assert [r.observation for r in pool.step_many([(env, "next") for env in envs])] == ["n=1 next"] * 2
+    finally:
+        for env in envs:
+            env.close()
+    assert_nothing_left_behind(pool)
+
+
+def test_a_source_that_cannot_be_sent_does_not_leak_its_worker(pool: SandboxPool) -> None:
+    wait_warm(pool)
+    with pytest.raises(ValueError):
+        pool.open(program(COUNTER + "# \udc80\n"))
+    wait_warm(pool)
+    assert pool.live_workers == pool.warm_workers  # no worker held by nobody
+    assert_nothing_left_behind(pool)

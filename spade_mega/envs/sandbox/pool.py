@@ -87,6 +87,10 @@ class EnvHandle:
             raise RuntimeError("step() needs an episode: call reset() first (also after a failed call)")
         if type(action) is not str:
             raise TypeError(f"an action is a str, got {type(action).__name__}")
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"an action must be text that UTF-8 can encode: {exc}") from None
         return self._worker
 
     def _retire(self) -> None:
@@ -197,7 +201,11 @@ class SandboxPool:
     def open(self, program: EnvProgram) -> EnvHandle:
         """Load ``program`` into a fresh worker. Raises LoadError (or another SandboxError) if it does not load."""
         worker = self._acquire()
-        reply = worker.call(OP_LOAD, program.source, self.cfg.load_timeout_s)
+        try:
+            reply = worker.call(OP_LOAD, program.source, self.cfg.load_timeout_s)
+        except BaseException:  # the source could not be sent (or we were interrupted): the worker goes too
+            self._retire(worker)
+            raise
         loaded = self._loaded(reply)
         if isinstance(loaded, SandboxError):
             self._retire(worker)
@@ -226,12 +234,12 @@ class SandboxPool:
         try:
             for _ in stale:
                 fresh.append(self._acquire())
+            loads = exchange([(worker, OP_LOAD, envs[i].program.source, self.cfg.load_timeout_s)
+                              for i, worker in zip(stale, fresh)])
         except BaseException:
             for worker in fresh:
                 self._retire(worker)
             raise
-        loads = exchange([(worker, OP_LOAD, envs[i].program.source, self.cfg.load_timeout_s)
-                          for i, worker in zip(stale, fresh)])
         for i, worker, reply in zip(stale, fresh, loads):
             loaded = self._loaded(reply)
             if isinstance(loaded, SandboxError):

@@ -250,13 +250,19 @@ def exchange(calls: Sequence[tuple[WorkerProcess, str | None, Any, float]]) -> l
     poller = select.poll()
     readers: dict[int, _Pending] = {}
     writers: dict[int, _Pending] = {}
+    # Every request is encoded before any is sent: a value that cannot be encoded raises here, leaving no worker
+    # with a request whose reply nobody reads.
+    bodies = [None if op is None else _packb([worker.seq + 1, op, arg]) for worker, op, arg, _ in calls]
     now = time.monotonic()
-    for index, (worker, op, arg, timeout) in enumerate(calls):
-        if op is None:
+    for index, ((worker, op, arg, timeout), body) in enumerate(zip(calls, bodies)):
+        if worker.dead:  # its descriptors are closed, and their numbers may belong to another worker by now
+            results[index] = SandboxCrash(f"{op or 'start'}: the worker was already killed ({worker.exit_note}); "
+                                          "reset the environment (its sandbox pool must be open)")
+            continue
+        if body is None:
             out = b""
         else:
             worker.seq += 1
-            body = _packb([worker.seq, op, arg])
             out = FRAME.pack(len(body)) + body
         pending = _Pending(index, worker, op or "start", out, now + timeout, now)
         if out:
