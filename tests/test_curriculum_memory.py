@@ -271,3 +271,80 @@ def test_sigkill_mid_write_loses_nothing_committed_and_never_corrupts(tmp_path: 
         assert n_lsh == stored
         mem.propose(EnvProgram("class After: pass\n", "h", "logic"))  # and it takes new writes
         assert len(mem) == stored + 1
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_another_programs_database_is_refused_and_left_untouched(tmp_path: Path, create: bool) -> None:
+    # A mistyped --run or curriculum.memory.path pointing at someone else's SQLite file: refuse it by name, and do not
+    # add our tables, stamp our schema version or switch it to WAL.
+    foreign = tmp_path / "app.sqlite"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO users VALUES (1, 'ada')")
+    conn.commit()
+    conn.close()
+    before = foreign.read_bytes()
+    with pytest.raises(EnvMemoryError, match="not a spade-mega memory database.*users"):
+        EnvMemory(foreign, create=create)
+    assert foreign.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]
+
+
+def test_reader_does_not_initialise_an_empty_file(tmp_path: Path) -> None:
+    empty = tmp_path / "memory.sqlite"
+    empty.touch()
+    with pytest.raises(EnvMemoryError, match="holds no environment memory"):
+        EnvMemory(empty, create=False)
+    assert empty.read_bytes() == b""
+    with EnvMemory(empty) as mem:  # the writer does initialise it
+        mem.propose(program(1))
+    with EnvMemory(empty, create=False) as mem:
+        assert len(mem) == 1
+
+
+def test_a_directory_in_place_of_the_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "memory.sqlite").mkdir()
+    with pytest.raises(EnvMemoryError, match="memory.sqlite: cannot open the memory database"):
+        EnvMemory(tmp_path / "memory.sqlite")
+
+
+def test_stats_read_while_the_trainer_writes_are_one_consistent_snapshot(tmp_path: Path) -> None:
+    # `spade-mega memory stats` runs beside the trainer: a write landing between its queries must not make the totals
+    # disagree (environments vs per-status and per-skill counts). The write is injected between the reader's queries.
+    path = tmp_path / "memory.sqlite"
+    with EnvMemory(path) as writer, EnvMemory(path, create=False) as reader:
+        writer.propose_many([program(i) for i in range(3)])
+        queries = []
+
+        def write_between_queries(sql: str) -> None:
+            if sql.lstrip().upper().startswith("SELECT"):
+                queries.append(sql)
+                if len(queries) == 2:
+                    writer.propose(program(50, skill="logic"))
+
+        reader.conn.set_trace_callback(write_between_queries)
+        stats = reader.stats()
+        reader.conn.set_trace_callback(None)
+        assert len(queries) > 2 and len(writer) == 4  # the write did land in the middle
+        assert sum(stats["by_status"].values()) == sum(stats["by_skill"].values()) == stats["environments"]
+        record = reader.get(program(0).content_hash)
+        assert reader.stats()["environments"] == 4 and record.proposals == 1
+
+
+def test_non_finite_play_results_are_refused_by_name_and_store_nothing(memory: EnvMemory) -> None:
+    # A win rate over zero plays is 0/0 = nan upstream; SQLite would store nan as NULL (a raw IntegrityError here, a
+    # silently missing designer reward there). Refuse it with the field's name; the stored history stays as it was.
+    p = program(1)
+    memory.propose(p)
+    _play(memory, p, 1, 0.25, 0.75)
+    for kwargs, name in (({"win_rate": float("nan")}, "win_rate"), ({"win_rate_hint": float("inf")}, "win_rate_hint"),
+                         ({"regret": float("nan")}, "regret"), ({"designer_reward": float("-inf")}, "designer_reward"),
+                         ({"plays": -1}, "plays")):
+        args = {"win_rate": 0.5, "win_rate_hint": 0.5, "plays": 4, "hint_plays": 4, **kwargs}
+        with pytest.raises(EnvMemoryError, match=f"{name} must be"):
+            memory.record_evaluation(p.content_hash, 2, **args)
+    with pytest.raises(EnvMemoryError, match="designer_reward must be"):
+        memory.set_designer_reward(p.content_hash, 1, float("nan"))
+    record = memory.get(p.content_hash)
+    assert [e.iteration for e in record.evaluations] == [1] and record.designer_reward is None
+    assert record.win_rate == 0.25 and record.regret == pytest.approx(0.5)

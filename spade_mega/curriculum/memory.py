@@ -12,6 +12,7 @@ played environments (reference: 200), so the prompt follows the moving frontier 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -181,18 +182,51 @@ class EnvMemory:
         self.hasher = MinHasher(num_perm=64, bands=8)
         try:
             self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+        except sqlite3.DatabaseError as exc:
+            raise EnvMemoryError(f"{self.path}: cannot open the memory database ({exc})") from None
+        try:
             self.conn.row_factory = sqlite3.Row
+            if self._version() < SCHEMA_VERSION:
+                self._initialise(create)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
             self.conn.execute("PRAGMA foreign_keys=ON")
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise EnvMemoryError(f"{self.path}: memory schema version {version} is newer than this spade-mega "
-                                     f"understands ({SCHEMA_VERSION}); upgrade spade-mega")
-            if version < SCHEMA_VERSION:
-                self.conn.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
         except sqlite3.DatabaseError as exc:
+            self.conn.close()
             raise EnvMemoryError(f"{self.path}: not a usable memory database ({exc})") from None
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _version(self) -> int:
+        version = int(self.conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise EnvMemoryError(f"{self.path}: memory schema version {version} is newer than this spade-mega "
+                                 f"understands ({SCHEMA_VERSION}); upgrade spade-mega")
+        return version
+
+    def _initialise(self, create: bool) -> None:
+        """Create the schema in an empty database, under the write lock; never touch a database that holds tables
+        of some other program (a mistyped path must not get our tables, our version stamp or WAL mode)."""
+        self.conn.execute("BEGIN IMMEDIATE" if create else "BEGIN")  # a reader never takes the write lock
+        try:
+            if self._version() < SCHEMA_VERSION:  # re-read under the lock: another process may have just created it
+                tables = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                                          "ORDER BY name")]
+                if tables:
+                    raise EnvMemoryError(f"{self.path}: not a spade-mega memory database (it holds tables "
+                                         f"{', '.join(tables[:10])} but no memory schema version); point at the "
+                                         "run's memory file (curriculum.memory.path)")
+                if not create:
+                    raise EnvMemoryError(f"{self.path}: holds no environment memory yet (empty database)")
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self.conn.execute(statement)
+                self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
 
     @classmethod
     def for_run(cls, cfg: MemoryConfig, run_dir: str | Path) -> "EnvMemory":
@@ -211,12 +245,12 @@ class EnvMemory:
         self.close()
 
     class _Transaction:
-        def __init__(self, conn: sqlite3.Connection, begin: bool) -> None:
-            self.conn, self.begin = conn, begin
+        def __init__(self, conn: sqlite3.Connection, begin: str | None) -> None:
+            self.conn, self.begin = conn, begin  # begin: None joins the transaction already open
 
         def __enter__(self) -> sqlite3.Connection:
             if self.begin:
-                self.conn.execute("BEGIN IMMEDIATE")
+                self.conn.execute(self.begin)
             return self.conn
 
         def __exit__(self, exc_type: Any, *_: object) -> None:
@@ -226,7 +260,11 @@ class EnvMemory:
 
     def _write(self) -> "EnvMemory._Transaction":
         """One write transaction (BEGIN IMMEDIATE ... COMMIT): all of it lands, or none of it."""
-        return self._Transaction(self.conn, begin=not self.conn.in_transaction)
+        return self._Transaction(self.conn, None if self.conn.in_transaction else "BEGIN IMMEDIATE")
+
+    def _snapshot(self) -> "EnvMemory._Transaction":
+        """One read transaction: its queries all see the same committed state while the trainer writes (WAL)."""
+        return self._Transaction(self.conn, None if self.conn.in_transaction else "BEGIN")
 
     def _resolve(self, key: str) -> int:
         """Row id for a full content hash or a unique prefix (at least 4 characters), like git."""
@@ -314,6 +352,8 @@ class EnvMemory:
         """Store one iteration's play results (idempotent per iteration). ``regret`` defaults to the hint gain
         ``win_rate_hint - win_rate``; pass the reward module's regret when it is measured differently."""
         regret = win_rate_hint - win_rate if regret is None else regret
+        _check_play_results(win_rate=win_rate, win_rate_hint=win_rate_hint, regret=regret,
+                            designer_reward=designer_reward, plays=plays, hint_plays=hint_plays)
         with self._write() as conn:
             env_id = self._resolve(content_hash)
             conn.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -322,6 +362,7 @@ class EnvMemory:
 
     def set_designer_reward(self, content_hash: str, iteration: int, designer_reward: float) -> None:
         """Attach the (delayed) designer reward to an evaluation recorded earlier."""
+        _check_play_results(designer_reward=designer_reward)
         with self._write() as conn:
             env_id = self._resolve(content_hash)
             cur = conn.execute("UPDATE evaluations SET designer_reward = ? WHERE env_id = ? AND iteration = ?",
@@ -345,10 +386,11 @@ class EnvMemory:
     # ------------------------------------------------------------------------------------------------------ reads
     def get(self, content_hash: str) -> EnvRecord:
         """One environment with all its evaluations; accepts a unique hash prefix."""
-        env_id = self._resolve(content_hash)
-        row = self.conn.execute(f"SELECT {_COLUMNS} FROM environments WHERE id = ?", (env_id,)).fetchone()
-        evals = [Evaluation(*r[1:]) for r in self.conn.execute(
-            "SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration", (env_id,))]
+        with self._snapshot():
+            env_id = self._resolve(content_hash)
+            row = self.conn.execute(f"SELECT {_COLUMNS} FROM environments WHERE id = ?", (env_id,)).fetchone()
+            evals = [Evaluation(*r[1:]) for r in self.conn.execute(
+                "SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration", (env_id,))]
         return _record(row, evals)
 
     def __contains__(self, content_hash: object) -> bool:
@@ -411,7 +453,11 @@ class EnvMemory:
         return sorted(found.items(), key=lambda item: -item[1])[:limit]
 
     def stats(self) -> dict[str, Any]:
-        """Totals for ``spade-mega memory stats`` and the run's metrics."""
+        """Totals for ``spade-mega memory stats`` and the run's metrics (one snapshot, even beside a writer)."""
+        with self._snapshot():
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         q = self.conn.execute
         total, proposals, dups = q("SELECT COUNT(*), COALESCE(SUM(proposals), 0), COUNT(duplicate_of) "
                                    "FROM environments").fetchone()
@@ -459,6 +505,17 @@ class EnvMemory:
             out.write(json.dumps(record.to_dict(), sort_keys=True) + "\n")
             n += 1
         return n
+
+
+def _check_play_results(**values: float | int | None) -> None:
+    """Refuse non-finite rates and rewards (SQLite would store nan as NULL) and negative play counts, by name."""
+    for name, value in values.items():
+        if name.endswith("plays"):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise EnvMemoryError(f"{name} must be a non-negative integer, got {value!r}")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))
+                                    or not math.isfinite(value)):
+            raise EnvMemoryError(f"{name} must be a finite number, got {value!r}")
 
 
 def _opt_int(value: Any) -> int | None:
