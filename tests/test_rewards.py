@@ -174,6 +174,21 @@ def test_skill_trackers_state_round_trip_and_bad_state() -> None:
     assert restored == trackers  # unchanged
 
 
+@pytest.mark.parametrize("entry", [
+    {"mu_fast": float("nan"), "mu_slow": 0.5, "updates": 3},  # json.loads accepts NaN: a corrupt file reads back
+    {"mu_fast": 0.5, "mu_slow": float("inf"), "updates": 3},
+    {"mu_fast": 0.5, "mu_slow": None, "updates": 3},  # one EMA without the other
+    {"mu_fast": 0.5, "mu_slow": 0.5, "updates": -1},
+])
+def test_skill_trackers_refuse_a_state_that_would_poison_the_designer_reward(entry: dict) -> None:
+    trackers = SkillTrackers.from_config(CFG)
+    trackers.update("logic", 0.4)
+    before = trackers.state_dict()
+    with pytest.raises(StateError, match="'logic'"):
+        trackers.load_state_dict(json.loads(json.dumps({"skills": {"logic": entry}})))
+    assert trackers.state_dict() == before
+
+
 def test_episode_reward() -> None:
     assert episode_reward([0.0, 0.0, 1.0], True, CFG) == 1.0
     assert episode_reward([0.5, 0.25], True, CFG) == 0.75

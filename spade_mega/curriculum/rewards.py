@@ -216,6 +216,12 @@ class SkillTrackers:
                 mu_fast=None if s["mu_fast"] is None else float(s["mu_fast"]),
                 mu_slow=None if s["mu_slow"] is None else float(s["mu_slow"]),
                 updates=int(s["updates"])) for skill, s in skills.items()}
+            for skill, t in trackers.items():
+                # a NaN EMA would make every later designer reward of the skill NaN; half a pair is no state
+                if (t.mu_fast is None) != (t.mu_slow is None) or t.updates < 0 or not all(
+                        math.isfinite(mu) for mu in (t.mu_fast, t.mu_slow) if mu is not None):
+                    raise ValueError(f"skill {skill!r} has mu_fast={t.mu_fast}, mu_slow={t.mu_slow}, "
+                                     f"updates={t.updates} (finite EMAs, both or neither, updates >= 0)")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateError(f"skill tracker state is malformed ({type(exc).__name__}: {exc}); "
                              "expected {'skills': {skill: {'mu_fast', 'mu_slow', 'updates'}}}") from None
