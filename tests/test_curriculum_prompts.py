@@ -111,3 +111,20 @@ def test_plain_fallback_without_a_chat_template() -> None:
     assert text == "System:\nS\n\nUser:\nU\n\nAssistant:\n"
     builder = PromptBuilder(SkillRegistry.from_config(load_config().curriculum), NoTemplate(), contract="C")
     assert builder.agent(["o"]).text.endswith("User:\no\n\nAssistant:\n")
+
+
+def test_a_seed_whose_source_holds_fences_is_shown_as_one_intact_code_block(builder, tmp_path: Path) -> None:
+    # A seed program whose docstring quotes a ``` block must not end the example's fence early: the designer would see
+    # a broken example (half a program, then stray code) and copy the breakage.
+    from spade_mega.curriculum.parsing import _code_blocks
+
+    source = ('class Quiz:\n    """Reply like this:\n```\nguess 3\n```\n"""\n\n    def reset(self, seed):\n'
+              '        return "guess"\n\n    def step(self, a):\n        return "", 1.0, True, False, {}\n')
+    with EnvMemory(tmp_path / "m.sqlite") as mem:
+        p = EnvProgram(source, "guess 3", "logic")
+        mem.propose(p)
+        mem.set_validation(p.content_hash, True)
+        mem.record_evaluation(p.content_hash, 0, 0.1, 0.9, 8, 8)
+        content = builder.designer("logic", None, mem.seeds("logic", 1)).messages[1]["content"]
+    blocks, _, closed = _code_blocks(content)
+    assert closed and ("python", source) in blocks

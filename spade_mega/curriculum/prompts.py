@@ -13,6 +13,7 @@ a symlink to that file, which setuptools packages as a copy: a wheel install car
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -80,6 +81,14 @@ def _summary(record: EnvRecord) -> str:
         return record.source.strip().splitlines()[0][:120] if record.source.strip() else "(empty program)"
 
 
+def _fenced(source: str) -> str:
+    """``source`` in a python code fence longer than any backtick run inside it (CommonMark), so a program that
+    quotes ``` lines stays one intact block, as the parser reads it back."""
+    longest = max((len(run) for run in re.findall(r"`+", source)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}python\n{source.rstrip()}\n{fence}"
+
+
 def _rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -111,7 +120,7 @@ class PromptBuilder:
             for i, seed in enumerate(seeds, 1):
                 shown.append(f"Example {i} (agent win rate {_rate(seed.win_rate)} alone, "
                              f"{_rate(seed.win_rate_hint)} with the hint: the hint helps by {_rate(seed.regret)}):\n"
-                             f"<hint>{seed.hint}</hint>\n```python\n{seed.source.rstrip()}\n```")
+                             f"<hint>{seed.hint}</hint>\n{_fenced(seed.source)}")
             parts.append("Past environments at the right difficulty (hard alone, solvable with the hint). Write "
                          "something new in the same spirit, not a copy:\n\n" + "\n\n".join(shown))
         if negatives:
