@@ -14,6 +14,7 @@ what lets a different layout load it; before the first update there is no optimi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -89,10 +90,38 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path / MANIFEST}: invalid JSON ({exc.msg})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path / MANIFEST}: must hold a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')!r}, this version reads "
                               f"{FORMAT_VERSION}")
     return manifest
+
+
+def _failure(exc: BaseException) -> str:
+    """One line naming what went wrong; torch's CheckpointException carries each failing rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (cause, _) = next(iter(failures.items()))
+        return f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Failures of the storage layer (a file of a checkpoint with a manifest missing, truncated or overwritten) as a
+    CheckpointError naming the folder. torch's CheckpointException derives from BaseException, so without this it
+    would escape every ``except Exception`` of a caller and end the run with a page of traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path}: cannot be loaded ({_failure(exc)}): its files are damaged or do not match "
+                              "this model; load another checkpoint") from exc
 
 
 def _model_state(trainer: "Trainer") -> dict[str, Any]:
@@ -166,7 +195,7 @@ def _architecture(trainer: "Trainer") -> dict[str, Any]:
     m = trainer.model_cfg
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
             "ffn_hidden_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "vocab_size",
-            "tie_embeddings")
+            "tie_embeddings", "qk_layernorm")  # every field that changes the set or shapes of the parameters
     return {k: getattr(m, k) for k in keys}
 
 
@@ -246,19 +275,20 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
                 if manifest.get("architecture", {}).get(k) != v}
         raise CheckpointError(f"{path}: saved for another model architecture (saved, configured): {diff}")
     with_optimizer = bool(manifest.get("optimizer_state"))
-    state = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer),
-                                    str(path))
-    chunks = [chunk.module for chunk in trainer.model]
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
-    if with_optimizer:
-        trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
-    else:  # saved before the first update: the optimizer starts fresh, as it did then
-        for optimizer in _chained(trainer.optimizer):
-            optimizer.optimizer.state.clear()
-        trainer.optimizer.reload_model_params()
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.step = int(state["step"])
+    with _reading(path):
+        state = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer),
+                                        str(path))
+        chunks = [chunk.module for chunk in trainer.model]
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+        if with_optimizer:
+            trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
+        else:  # saved before the first update: the optimizer starts fresh, as it did then
+            for optimizer in _chained(trainer.optimizer):
+                optimizer.optimizer.state.clear()
+            trainer.optimizer.reload_model_params()
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        trainer.step = int(state["step"])
     if trainer.step != manifest["step"]:
         raise CheckpointError(f"{path}: manifest step {manifest['step']} but saved state step {trainer.step}")
     dist.barrier()

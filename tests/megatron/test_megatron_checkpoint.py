@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -83,16 +84,39 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
     (fake / MANIFEST).write_text(json.dumps({"format": 99, "step": 3}))
     with pytest.raises(CheckpointError, match="format 99"):
         read_manifest(fake)
+    (fake / MANIFEST).write_text("[1, 3]")
+    with pytest.raises(CheckpointError, match="must hold a JSON object"):
+        read_manifest(fake)
     assert find_latest(tmp_path / "missing") is None
 
 
 def test_checkpoint_of_another_architecture_is_refused(crashed: tuple[Path, list[Path]]) -> None:
     out, _ = crashed
     proc = subprocess.run(worker_command(1, "resume", out, "--load", str(out / "ckpt" / "step_00000000"),
-                                         "model.num_experts=8"),
+                                         "model.num_experts=8", "model.qk_layernorm=false"),
                           capture_output=True, text=True, env=worker_env(), timeout=300)
     assert proc.returncode != 0
     assert "another model architecture" in proc.stderr and "num_experts" in proc.stderr
+    # without q/k norms the model asks for fewer tensors than were saved: it would load, silently dropping them
+    assert "qk_layernorm" in proc.stderr
+
+
+def test_a_damaged_checkpoint_is_refused_with_a_checkpoint_error(crashed: tuple[Path, list[Path]],
+                                                                  tmp_path: Path) -> None:
+    """A complete-looking checkpoint whose data file was cut short (a copy interrupted, a full disk): one
+    CheckpointError naming the folder and the failure, not torch's CheckpointException (a BaseException that no
+    ``except Exception`` catches) with a page of traceback."""
+    out, _ = crashed
+    damaged = tmp_path / "step_00000000"
+    shutil.copytree(out / "ckpt" / "step_00000000", damaged)
+    for data in damaged.glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:100])
+    proc = subprocess.run(worker_command(1, "resume", out, "--load", str(damaged)),
+                          capture_output=True, text=True, env=worker_env(), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "spade_mega.megatron.checkpoint.CheckpointError: " in last and str(damaged) in last, last
+    assert "cannot be loaded" in last and "CheckpointException" not in last
 
 
 def test_a_replaced_checkpoint_comes_back_if_its_replacement_never_arrived(tmp_path: Path) -> None:
