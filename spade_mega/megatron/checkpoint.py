@@ -212,6 +212,16 @@ def _recover(root: Path) -> None:
             os.rename(replaced, original)
 
 
+def _prune(root: Path, keep: int, saved: Path) -> None:
+    """Delete all but the ``keep`` highest-step complete checkpoints, never ``saved`` (the one just written: a run
+    continued from an earlier step writes below the steps of the run it replaced)."""
+    complete = sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)),
+                      key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+    for old in complete[:-keep] if keep > 0 else []:
+        if old != saved:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
     """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
 
@@ -249,9 +259,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
             os.rename(partial, final)
         _fsync(root)
         if keep is not None:
-            complete = sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)), key=lambda p: p.name)
-            for old_checkpoint in complete[:-keep] if keep > 0 else []:
-                shutil.rmtree(old_checkpoint, ignore_errors=True)
+            _prune(root, keep, final)
     dist.barrier()
     return final
 

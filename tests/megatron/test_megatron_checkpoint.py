@@ -128,3 +128,17 @@ def test_a_replaced_checkpoint_comes_back_if_its_replacement_never_arrived(tmp_p
     (tmp_path / ".step_00000003.partial-def").mkdir()
     _recover(tmp_path)
     assert find_latest(tmp_path) == tmp_path / "step_00000002" and not list(tmp_path.glob(".*"))
+
+
+def test_keeping_the_newest_checkpoints_never_deletes_the_one_just_saved(tmp_path: Path) -> None:
+    """A run continued from step 2 saves step 3 while step 10 of the abandoned run is still there: with keep=1 the
+    checkpoint just written stays (deleting it would lose the run's only state)."""
+    from spade_mega.megatron.checkpoint import _prune, step_dir
+
+    for step in (1, 2, 3, 10):
+        step_dir(tmp_path, step).mkdir()
+        (step_dir(tmp_path, step) / MANIFEST).write_text("{}")
+    _prune(tmp_path, 1, step_dir(tmp_path, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000010"]
+    _prune(tmp_path, 1, step_dir(tmp_path, 10))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
