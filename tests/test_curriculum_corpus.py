@@ -218,3 +218,33 @@ def test_load_tokenizer_from_a_local_folder_and_the_byte_default(bpe_tokenizer, 
     assert byte.convert_tokens_to_ids("<|im_end|>") == 258 and byte.eos_token == "<|im_end|>"
     with pytest.raises(TokenizerError, match="cannot load tokenizer"):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_damaged_files_are_corpus_errors_naming_the_file(tmp_path: Path) -> None:
+    # Bytes that are not UTF-8 in a JSONL line, a Parquet page whose compressed data is damaged, an Arrow stream cut
+    # short: each names the file (and the line for JSONL), never a raw UnicodeDecodeError or OSError.
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(RECORDS[0]).encode() + b'\n{"body": "caf\xe9"}\n')
+    with pytest.raises(CorpusError, match=r"latin1.jsonl:2: not UTF-8"):
+        list(load_source(src(tmp_path / "latin1.jsonl")))
+    records = [{"body": text(i, 200)} for i in range(300)]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet", row_group_size=50, compression="snappy")
+    data = bytearray((tmp_path / "d.parquet").read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 3000] = bytes((i * 37 + 11) % 256 for i in range(3000))
+    (tmp_path / "d.parquet").write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=r"d.parquet: unreadable"):
+        list(load_source(src(tmp_path / "d.parquet")))
+    folder = save_to_disk(tmp_path / "hf", records, shards=1)
+    shard = folder / "data-00000-of-00001.arrow"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CorpusError, match=r"data-00000-of-00001.arrow: unreadable"):
+        list(load_source(src(folder)))
+
+
+def test_a_source_that_yields_no_documents_is_named(tmp_path: Path) -> None:
+    # A typo'd folder (or one holding only .json files) must not silently ground nothing while other sources work.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.json").write_text("{}")
+    good = src(write_jsonl(tmp_path / "d.jsonl", [{"body": text(i)} for i in range(3)]))
+    with pytest.raises(CorpusError, match=r"curriculum.corpus.sources\[1\] \(.*empty\): no documents"):
+        Corpus.build(CorpusConfig(sources=[good, src(tmp_path / "empty", format="text")], min_chars=10))

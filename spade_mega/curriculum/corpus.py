@@ -72,8 +72,13 @@ def _field(record: Any, name: str, where: str) -> Any:
 def _records(source: CorpusSourceConfig, fmt: str, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(location, record) pairs from a JSONL, Parquet or saved Hugging Face dataset."""
     if fmt == "jsonl":
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise CorpusError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the "
+                                      "line); re-encode the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -95,7 +100,8 @@ def _records(source: CorpusSourceConfig, fmt: str, path: Path) -> Iterator[tuple
             tables: Iterable[tuple[Path, Any]] = [(path, pq.ParquetFile(path))]
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorpusError(f"{path}: not a readable Parquet file ({exc})") from None
-        batches = ((p, b) for p, f in tables for b in f.iter_batches(columns=_existing(p, f.schema_arrow, top)))
+        batches = ((p, b) for p, f in tables
+                   for b in _guarded(p, f.iter_batches(columns=_existing(p, f.schema_arrow, top))))
     else:
         batches = ((p, b) for p in _arrow_files(path, source.split) for b in _arrow_batches(p))
     row = 0
@@ -104,6 +110,16 @@ def _records(source: CorpusSourceConfig, fmt: str, path: Path) -> Iterator[tuple
         for record in batch.to_pylist():
             row += 1
             yield f"{file}[row {row}]", record
+
+
+def _guarded(path: Path, batches: Iterable[Any]) -> Iterator[Any]:
+    """Record batches of one file; a damaged or truncated file is a CorpusError naming it, not a raw Arrow error."""
+    import pyarrow as pa
+
+    try:
+        yield from batches
+    except (pa.ArrowException, OSError) as exc:
+        raise CorpusError(f"{path}: unreadable, the file is damaged or truncated ({exc})") from None
 
 
 def _existing(path: Path, schema: Any, names: Sequence[str]) -> list[str]:
@@ -145,7 +161,7 @@ def _arrow_batches(path: Path) -> Iterator[Any]:
                 reader = pa.ipc.open_file(source)
             except pa.ArrowInvalid as exc:
                 raise CorpusError(f"{path}: not an Arrow stream or file ({exc})") from None
-        yield from reader
+        yield from _guarded(path, reader)
 
 
 def detect_format(path: str) -> str:
@@ -227,8 +243,9 @@ class Corpus:
         exact: set[bytes] = set()
         hasher = MinHasher(num_perm=64, bands=16)
         buckets: dict[int, list[Any]] = {}
-        for source in cfg.sources:
+        for index, source in enumerate(cfg.sources):
             docs: Iterable[Document] = load_source(source)
+            read_before = stats.loaded
             if progress:
                 from rich.progress import track
 
@@ -255,6 +272,10 @@ class Corpus:
                         buckets.setdefault(key, []).append(sig)
                 kept.append(doc)
                 stats.per_domain[doc.domain] += 1
+            if stats.loaded == read_before:
+                raise CorpusError(f"curriculum.corpus.sources[{index}] ({source.path}): no documents in this source "
+                                  f"(a text folder needs {', '.join(TEXT_SUFFIXES)} files); fix the path or remove "
+                                  "the source")
         if not kept:
             raise CorpusError("curriculum.corpus.sources: no documents left after loading "
                               f"({stats.loaded} read, {stats.too_short} shorter than min_chars)")
