@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,3 +381,23 @@ def test_a_source_that_cannot_be_sent_does_not_leak_its_worker(pool: SandboxPool
     wait_warm(pool)
     assert pool.live_workers == pool.warm_workers  # no worker held by nobody
     assert_nothing_left_behind(pool)
+
+
+def test_a_worker_that_fails_to_start_once_is_retried_not_reported_to_the_caller(tmp_path: Path) -> None:
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+    starts = tmp_path / "starts"
+    flaky = tmp_path / "bwrap"  # starts 2 to 4 fail, as fork or bubblewrap do on a briefly overloaded machine
+    flaky.write_text(f"#!/bin/sh\nn=$(($(cat {starts} 2>/dev/null || echo 0) + 1))\necho $n > {starts}\n"
+                     f"if [ $n -ge 2 ] && [ $n -le 4 ]; then echo 'bwrap: Resource temporarily unavailable' >&2; "
+                     f"exit 1; fi\nexec {shutil.which('bwrap')} \"$@\"\n")
+    flaky.chmod(0o755)
+    with SandboxPool(strict_config(bwrap=str(flaky), warm_workers=1, spawners=1)) as flaky_pool:
+        with flaky_pool.open(program(GUESS_NUMBER)) as first:
+            first.reset(0)
+            deadline = time.monotonic() + 10
+            while not (starts.exists() and starts.read_text().strip() not in ("", "1")):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            with flaky_pool.open(program(GUESS_NUMBER)) as second:  # waits for the retry
+                assert second.reset(0).startswith("I picked")

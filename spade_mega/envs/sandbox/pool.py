@@ -343,10 +343,12 @@ class SandboxPool:
                     worker = self._warm.popleft()
                     self._cond.notify_all()
                     return worker
-                if self._spawn_error is not None:
-                    raise self._spawn_error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    # Spawners retry a failed start (the machine may be briefly short of memory or processes), so
+                    # the caller waits for the retry and hears why starts fail only at its deadline.
+                    if self._spawn_error is not None:
+                        raise self._spawn_error
                     raise SandboxUnavailable(f"no sandbox worker started within sandbox.start_timeout_s "
                                              f"({self.cfg.start_timeout_s:.0f} s); the machine may be overloaded")
                 self._cond.wait(remaining)
