@@ -348,3 +348,17 @@ def test_non_finite_play_results_are_refused_by_name_and_store_nothing(memory: E
     record = memory.get(p.content_hash)
     assert [e.iteration for e in record.evaluations] == [1] and record.designer_reward is None
     assert record.win_rate == 0.25 and record.regret == pytest.approx(0.5)
+
+
+def test_a_seed_is_never_also_a_negative(memory: EnvMemory) -> None:
+    # Seeds are frontier environments ("hard alone, solvable with the hint"). A mastered one whose hint still adds a
+    # little (0.85 -> 1.0) or an unsolvable one with a sliver of regret (0.05 -> 0.15) has positive regret too, but
+    # showing it both as an example to follow and as one "not to repeat" contradicts the prompt.
+    _play(memory, program(1), 1, 0.85, 1.0)  # mastered, regret 0.15
+    _play(memory, program(2), 2, 0.05, 0.15)  # unsolvable, regret 0.10
+    _play(memory, program(3), 3, 0.3, 0.4)  # frontier, regret 0.10
+    seeds = memory.seeds("arithmetic", 5)
+    negatives = memory.negatives("arithmetic", 5)
+    assert [s.content_hash for s in seeds] == [program(3).content_hash]
+    assert {n.content_hash for n in negatives} == {program(1).content_hash, program(2).content_hash}
+    assert [s.content_hash for s in memory.seeds("arithmetic", 5, window=200)] == [program(3).content_hash]

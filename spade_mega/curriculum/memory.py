@@ -407,12 +407,13 @@ class EnvMemory:
                 "ORDER BY last_iteration DESC, id DESC LIMIT ?)", [window])
 
     def seeds(self, skill: str, k: int, window: int | None = None) -> list[EnvRecord]:
-        """Top-``k`` valid environments of ``skill`` by regret (> 0): few-shot seeds. ``window``: only among the
-        most recently played ``window`` environments (the prompt window); None searches all storage."""
+        """Top-``k`` valid frontier environments of ``skill`` by regret (> 0): few-shot seeds. Mastered and
+        unsolvable ones are negatives even with some regret, never both. ``window``: only among the most recently
+        played ``window`` environments (the prompt window); None searches all storage."""
         source, args = self._window(window)
         rows = self.conn.execute(
             f"SELECT {_COLUMNS} FROM {source} WHERE skill = ? AND status = 'valid' AND regret > 0 "
-            "ORDER BY regret DESC, id DESC LIMIT ?", [*args, skill, k]).fetchall()
+            "AND outcome = 'frontier' ORDER BY regret DESC, id DESC LIMIT ?", [*args, skill, k]).fetchall()
         return [_record(r) for r in rows]
 
     def negatives(self, skill: str, k: int, window: int | None = None) -> list[EnvRecord]:
