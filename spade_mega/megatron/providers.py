@@ -44,6 +44,8 @@ _HF_FIELDS = {
     "tie_word_embeddings": "tie_embeddings",
 }
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+# the same value under the name transformers >= 5 writes (Qwen3MoeConfig.attribute_map): config.json key -> _HF_FIELDS key
+_HF_ALIASES = {"num_local_experts": "num_experts"}
 
 
 class BackendError(SpadeError):
@@ -79,6 +81,32 @@ def _hf_error(path: Path, key: str, message: str) -> ConfigError:
     return ConfigError("model.hf_config", f"{path}: '{key}' {message}")
 
 
+def _canonical_keys(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with the keys of the transformers 4 format: transformers >= 5 writes ``num_local_experts`` and RoPE as
+    ``rope_parameters`` (``rope_type``, ``rope_theta``) instead of ``num_experts``, ``rope_theta``, ``rope_scaling``.
+    Left unread, the model section's expert count and RoPE base would silently stand in for the checkpoint's."""
+    hf = dict(hf)
+    for alias, key in _HF_ALIASES.items():
+        if hf.get(alias) is None:
+            continue
+        if hf.get(key) is not None and hf[key] != hf[alias]:
+            raise _hf_error(path, alias, f"= {hf[alias]!r} disagrees with '{key}' = {hf[key]!r}")
+        hf[key] = hf.pop(alias)
+    rope = hf.get("rope_parameters")
+    if rope is None:
+        return hf
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise _hf_error(path, "rope_parameters", f"= {rope!r} is not supported by the Qwen3-MoE provider "
+                                                 "(only rope_type 'default': no RoPE scaling)")
+    if rope.get("rope_theta") is None:
+        raise _hf_error(path, "rope_parameters", f"= {rope!r} gives no rope_theta")
+    if hf.get("rope_theta") is not None and hf["rope_theta"] != rope["rope_theta"]:
+        raise _hf_error(path, "rope_theta", f"= {hf['rope_theta']!r} disagrees with rope_parameters.rope_theta = "
+                                            f"{rope['rope_theta']!r}")
+    hf["rope_theta"] = rope["rope_theta"]
+    return hf
+
+
 def model_config_from_hf(path: str | Path, base: Optional[ModelConfig] = None) -> ModelConfig:
     """Read a Qwen3 / Qwen3-MoE ``config.json`` into a ModelConfig (fields it does not set keep ``base``'s values)."""
     path = Path(path).expanduser()
@@ -87,11 +115,16 @@ def model_config_from_hf(path: str | Path, base: Optional[ModelConfig] = None) -
     if not path.is_file():
         raise ConfigError("model.hf_config", f"{path}: no such config.json")
     try:
-        hf = json.loads(path.read_text())
+        hf = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError("model.hf_config", f"{path}: invalid JSON (line {exc.lineno}): {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("model.hf_config", f"{path}: not UTF-8 text (is it a weights file?)") from None
+    except OSError as exc:
+        raise ConfigError("model.hf_config", f"{path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(hf, dict):
         raise ConfigError("model.hf_config", f"{path}: must hold a JSON object")
+    hf = _canonical_keys(path, hf)
     model_type = hf.get("model_type")
     if model_type not in QWEN3_MODEL_TYPES:
         raise _hf_error(path, "model_type", f"must be one of {QWEN3_MODEL_TYPES}, got {model_type!r}")

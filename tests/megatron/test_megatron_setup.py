@@ -68,12 +68,48 @@ def test_unsupported_or_wrong_hf_config_names_the_key(tmp_path: Path, changes: d
     assert err.value.path == "model.hf_config" and key in str(err.value)
 
 
+def test_config_json_written_by_the_installed_transformers_gives_the_same_model(tmp_path: Path) -> None:
+    """transformers 5 writes the experts as num_local_experts and RoPE as rope_parameters (no num_experts, rope_theta,
+    rope_scaling keys): the same Qwen3-30B-A3B, not the model section's expert count and RoPE base."""
+    transformers = pytest.importorskip("transformers")
+    data = json.loads(QWEN3_30B.read_text())
+    transformers.Qwen3MoeConfig(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")}) \
+        .save_pretrained(tmp_path)
+    base = ModelConfig(name="policy", num_experts=16, rotary_base=10_000.0)
+    want = model_config_from_hf(QWEN3_30B, base)
+    assert model_config_from_hf(tmp_path, base) == dataclasses.replace(want, hf_config=str(tmp_path / "config.json"))
+
+
+def test_rope_parameters_and_expert_aliases(tmp_path: Path) -> None:
+    data = {k: v for k, v in json.loads(QWEN3_30B.read_text()).items() if k not in ("rope_theta", "num_experts")}
+
+    def load(**changes: object) -> ModelConfig:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**data, **changes}))
+        return model_config_from_hf(path)
+
+    m = load(rope_parameters={"rope_type": "default", "rope_theta": 5e5}, num_local_experts=64)
+    assert (m.rotary_base, m.num_experts) == (5e5, 64)
+    for changes, key in [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "default"}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_theta": 1e6}, "rope_theta": 1e4}, "rope_theta"),
+        ({"num_local_experts": 64, "num_experts": 32}, "num_local_experts"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load(**changes)
+        assert err.value.path == "model.hf_config" and key in str(err.value), changes
+
+
 def test_missing_or_broken_config_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such config.json"):
         model_config_from_hf(tmp_path / "nothing.json")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="invalid JSON"):
+        model_config_from_hf(bad)
+    bad.write_bytes(b"\x80\x81 model weights, not a config")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
         model_config_from_hf(bad)
 
 
