@@ -362,3 +362,24 @@ def test_a_seed_is_never_also_a_negative(memory: EnvMemory) -> None:
     assert [s.content_hash for s in seeds] == [program(3).content_hash]
     assert {n.content_hash for n in negatives} == {program(1).content_hash, program(2).content_hash}
     assert [s.content_hash for s in memory.seeds("arithmetic", 5, window=200)] == [program(3).content_hash]
+
+
+def test_a_failed_commit_rolls_back_and_later_writes_still_commit(tmp_path: Path) -> None:
+    # When COMMIT itself fails (disk full, I/O error; injected here by denying it once), SQLite can leave the
+    # transaction open. Every later write would then join it and never commit: invisible to readers, lost on a crash.
+    path = tmp_path / "memory.sqlite"
+    denied = []
+
+    def deny_first_commit(action: int, arg1: str | None, *_: object) -> int:
+        if action == sqlite3.SQLITE_TRANSACTION and arg1 == "COMMIT" and not denied:
+            denied.append(arg1)
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+    with EnvMemory(path) as mem, EnvMemory(path, create=False) as reader:
+        mem.conn.set_authorizer(deny_first_commit)
+        with pytest.raises(sqlite3.DatabaseError):
+            mem.propose(program(1))  # the write in flight is lost...
+        assert denied and not mem.conn.in_transaction
+        mem.propose(program(2))  # ...and the next one commits
+        assert program(2).content_hash in reader and program(1).content_hash not in reader

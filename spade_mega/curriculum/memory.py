@@ -256,7 +256,18 @@ class EnvMemory:
         def __exit__(self, exc_type: Any, *_: object) -> None:
             if not self.begin:
                 return
-            self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+            if exc_type is None:
+                try:
+                    self.conn.execute("COMMIT")
+                    return
+                except BaseException:
+                    # A failed COMMIT (disk full, I/O error) can leave the transaction open; every later write
+                    # would join it and never commit. Lose only this one.
+                    if self.conn.in_transaction:
+                        self.conn.execute("ROLLBACK")
+                    raise
+            if self.conn.in_transaction:  # SQLite may already have rolled back on the error
+                self.conn.execute("ROLLBACK")
 
     def _write(self) -> "EnvMemory._Transaction":
         """One write transaction (BEGIN IMMEDIATE ... COMMIT): all of it lands, or none of it."""
