@@ -214,24 +214,31 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
     """Plan the micro-batches of a global batch.
 
     ``length_multiple``: every row length is a multiple of it (TP for sequence parallelism, 2*CP for context
-    parallelism). ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline schedule needs PP).
+    parallelism); rows stay within ``token_budget`` padding included, so they hold at most the budget rounded down
+    to that multiple. ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline schedule needs PP).
     ``common_length``: all rows of a rank get the longest row's length (the interleaved schedule's fixed shapes).
     """
     if not samples:
         raise BatchError("the batch is empty")
     if token_budget < 2:
         raise BatchError(f"token budget (parallel.max_tokens_per_gpu) must be >= 2, got {token_budget}")
+    capacity = token_budget // length_multiple * length_multiple
+    limit = f"parallel.max_tokens_per_gpu = {token_budget}" if capacity == token_budget else \
+        f"{capacity} = parallel.max_tokens_per_gpu ({token_budget}) rounded down to a multiple of {length_multiple} " \
+        "(the row length multiple: parallel.tensor under sequence parallelism)"
+    if capacity < 2:
+        raise BatchError(f"the micro-batch token budget {limit} holds no sample; raise it")
     for s in samples:
         if s.index is None:
             raise BatchError("samples must be numbered: build the batch with samples_from()")
-        if len(s) > token_budget:
+        if len(s) > capacity:
             raise BatchError(f"sample {s.index} has {len(s)} tokens, more than the micro-batch token budget "
-                             f"parallel.max_tokens_per_gpu = {token_budget}; raise it or cap the rollout length")
+                             f"{limit}; raise it or cap the rollout length")
     missing = [s.index for s in samples if s.rollout_logprobs is None]
     if missing and len(missing) < len(samples):
         raise BatchError(f"sample {missing[0]}: rollout_logprobs missing while other samples of the batch have them "
                          "(give them for all samples or none: truncated IS needs every sample's behaviour policy)")
-    per_rank = [_bins(share, token_budget) for share in _assign_ranks(samples, data_parallel)]
+    per_rank = [_bins(share, capacity) for share in _assign_ranks(samples, data_parallel)]
     count = max(len(bins) for bins in per_rank)
     count = math.ceil(count / count_multiple) * count_multiple
     plan = []

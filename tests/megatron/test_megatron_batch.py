@@ -58,6 +58,15 @@ def test_budget_data_parallel_split_and_equal_micro_batch_counts() -> None:
     assert all(not mb.loss_mask.any() for mb in empty)
 
 
+def test_rows_padded_for_sequence_parallelism_stay_within_the_token_budget() -> None:
+    """Budget 10, rows a multiple of 4: a row holds at most 8 tokens (12 after padding would exceed the budget the
+    user sized the memory by), and a sample of 9 or 10 tokens is refused with the reason."""
+    plan = pack(samples_from([multi_turn(n, n) for n in (8, 5, 3)]), token_budget=10, length_multiple=4)
+    assert all(mb.length <= 10 for mb in plan.micro_batches[0])
+    with pytest.raises(BatchError, match=r"sample 0 has 9 tokens.*8 = parallel.max_tokens_per_gpu \(10\) rounded down"):
+        pack(samples_from([multi_turn(9)]), token_budget=10, length_multiple=4)
+
+
 def test_interleaved_schedule_gets_a_multiple_of_the_pipeline_size() -> None:
     plan = pack(samples_from([multi_turn(10, i) for i in range(3)]), token_budget=10, count_multiple=2)
     assert plan.num_micro_batches == 4
@@ -83,6 +92,7 @@ def test_packing_properties(lengths: list[int], budget: int, dp: int, multiple: 
         for mb in rank:
             used = sum(lengths[i] for i in mb.samples)
             assert used <= budget and mb.length % multiple == 0 and used <= mb.length < used + multiple + 1
+            assert mb.length <= budget  # padding included
             assert int(mb.loss_mask.sum()) == sum(lengths[i] - 1 for i in mb.samples)
             placed += mb.samples
     assert sorted(placed) == list(range(len(lengths)))
