@@ -274,8 +274,8 @@ class Corpus:
                 stats.per_domain[doc.domain] += 1
             if stats.loaded == read_before:
                 raise CorpusError(f"curriculum.corpus.sources[{index}] ({source.path}): no documents in this source "
-                                  f"(a text folder needs {', '.join(TEXT_SUFFIXES)} files); fix the path or remove "
-                                  "the source")
+                                  f"(text folders are searched for {', '.join(TEXT_SUFFIXES)} files); fix the path or "
+                                  "remove the source")
         if not kept:
             raise CorpusError("curriculum.corpus.sources: no documents left after loading "
                               f"({stats.loaded} read, {stats.too_short} shorter than min_chars)")
