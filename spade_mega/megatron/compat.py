@@ -11,12 +11,12 @@ Rules:
   the probe's evidence is kept (:func:`installed`). A version of megatron-core that no longer has the condition
   simply skips the shim, so version-specific code stays here and nowhere else (0.16.1, what a plain install on
   Python 3.11 resolves to, lacks some conditions; 0.19.2, what we pin, has them all).
-- ``tests/megatron/test_compat.py`` asserts that every shim is still needed by the pinned version and that each
+- ``tests/megatron/test_megatron_compat.py`` asserts that every shim is still needed by the pinned version and that each
   patched behaviour is right; the multi-process tests check the numerics end to end. docs/megatron.md says how to
   read a failure after an upgrade.
 
-:func:`install` must run before ``megatron.core.pipeline_parallel`` is first imported (see ``paged_stash``);
-importing :mod:`spade_mega.megatron` does that.
+:func:`install` must run before ``megatron.core.pipeline_parallel`` is first imported (see ``paged_stash``): every
+function of :mod:`spade_mega.megatron` that imports megatron-core calls it first (importing the package does not).
 """
 
 from __future__ import annotations
