@@ -66,3 +66,21 @@ def test_errors_are_one_line_exit_2(tmp_path: Path, run_dir: Path, capsys: pytes
     assert err.count("\n") == 1 and "no memory database here" in err
     assert main(["memory", "show", "ffff", "--run", str(run_dir)]) == 2
     assert "no environment with hash 'ffff'" in capsys.readouterr().err
+
+
+def test_export_into_a_pipe_closed_early_exits_quietly(tmp_path: Path) -> None:
+    # `spade-mega memory export | head -1`: the reader closes the pipe; no traceback, the shell's SIGPIPE status.
+    import subprocess
+    import sys
+
+    with EnvMemory(tmp_path / "memory.sqlite") as mem:
+        mem.propose_many([EnvProgram(SOURCE.replace("'o'", f"'o{i}'") + "# padding\n" * 300, "h", "logic")
+                          for i in range(40)])  # ~160 kB of JSON: more than a pipe buffer
+    proc = subprocess.Popen([sys.executable, "-m", "spade_mega.cli", "memory", "export", "--run", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and json.loads(first)["skill"] == "logic"
+    assert "Traceback" not in err and "Exception ignored" not in err

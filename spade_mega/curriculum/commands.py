@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from spade_mega.curriculum.memory import EnvMemory
 
@@ -22,6 +23,22 @@ def memory_path(target: str) -> Path:
 
         return path / load_config(config).curriculum.memory.path
     return path / "memory.sqlite"
+
+
+def _piped(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``spade-mega memory export | head``: when the reader closes the pipe, stop quietly with the shell's SIGPIPE
+    status (128 + 13) instead of a BrokenPipeError traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            status = handler(args)
+            sys.stdout.flush()
+            return status
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
+            return 128 + 13
+
+    return run
 
 
 def _open(args: argparse.Namespace) -> EnvMemory:
@@ -107,12 +124,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     stats = add("stats", "totals: environments, validity, outcomes, win rates, learnable fraction")
     stats.add_argument("--json", action="store_true", help="print JSON")
-    stats.set_defaults(func=_stats)
+    stats.set_defaults(func=_piped(_stats))
     export = add("export", "write every environment with its evaluations as JSON lines")
     export.add_argument("--output", "-o", metavar="FILE", help="output file (default: standard output)")
-    export.set_defaults(func=_export)
+    export.set_defaults(func=_piped(_export))
     show = add("show", "one environment: provenance, evaluations, hint and source")
     show.add_argument("hash", metavar="HASH", help="content hash, or a unique prefix of at least 4 characters")
     show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(func=_show)
+    show.set_defaults(func=_piped(_show))
 
