@@ -153,8 +153,11 @@ def model_config_from_hf(path: str | Path, base: Optional[ModelConfig] = None) -
         if type(value) is not expected:
             raise _hf_error(path, key, f"must be {expected.__name__}, got {value!r}")
         values[name] = value
-    if "head_dim" not in hf and isinstance(hf.get("hidden_size"), int) and isinstance(hf.get("num_attention_heads"), int):
-        values["kv_channels"] = hf["hidden_size"] // hf["num_attention_heads"]
+    if hf.get("head_dim") is None:  # what transformers builds: Qwen3Config's default, Qwen3-MoE's hidden / heads
+        if model_type == "qwen3":
+            values["kv_channels"] = 128
+        elif isinstance(hf.get("hidden_size"), int) and isinstance(hf.get("num_attention_heads"), int):
+            values["kv_channels"] = hf["hidden_size"] // hf["num_attention_heads"]
     if model_type == "qwen3":
         values["num_experts"] = 0
     dtype = hf.get("torch_dtype") or hf.get("dtype")

@@ -101,6 +101,21 @@ def test_rope_parameters_and_expert_aliases(tmp_path: Path) -> None:
         assert err.value.path == "model.hf_config" and key in str(err.value), changes
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_head_dim_left_out_means_what_transformers_builds(tmp_path: Path, model_type: str) -> None:
+    """Without head_dim, transformers builds Qwen3 (dense) with its default of 128 and Qwen3-MoE with hidden / heads:
+    the import must give the attention width of the model the checkpoint's weights belong to."""
+    transformers = pytest.importorskip("transformers")
+    data = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 1, "intermediate_size": 512, "vocab_size": 128, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    config = transformers.AutoConfig.for_model(**data)
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model_config_from_hf(tmp_path).kv_channels == hf_model.model.layers[0].self_attn.head_dim
+
+
 def test_missing_or_broken_config_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such config.json"):
         model_config_from_hf(tmp_path / "nothing.json")
