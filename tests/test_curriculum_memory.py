@@ -383,3 +383,9 @@ def test_a_failed_commit_rolls_back_and_later_writes_still_commit(tmp_path: Path
         assert denied and not mem.conn.in_transaction
         mem.propose(program(2))  # ...and the next one commits
         assert program(2).content_hash in reader and program(1).content_hash not in reader
+
+
+def test_a_file_in_place_of_the_parent_folder_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "run").write_text("not a folder")
+    with pytest.raises(EnvMemoryError, match="cannot create the folder"):
+        EnvMemory(tmp_path / "run" / "memory.sqlite")

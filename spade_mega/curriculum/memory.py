@@ -177,7 +177,10 @@ class EnvMemory:
         if not create and not self.path.is_file():
             raise EnvMemoryError(f"{self.path}: no memory database here (a run writes it as "
                                  "curriculum.memory.path inside its run directory)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EnvMemoryError(f"{self.path}: cannot create the folder of the memory database ({exc})") from None
         self.threshold = near_duplicate_threshold
         self.hasher = MinHasher(num_perm=64, bands=8)
         try:
