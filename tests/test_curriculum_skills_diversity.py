@@ -143,3 +143,18 @@ def test_curriculum_metrics_and_buckets() -> None:
                  "hard": 0.5}
     with pytest.raises(ValueError):
         curriculum_metrics([0.1], [])
+
+
+@pytest.mark.parametrize("damage", [{"cursor": None}, {"cursor": "x"}, {"cursor": 7}, {"cursor": -1},
+                                    {"rounds": None}, "drop cursor"])
+def test_a_damaged_saved_schedule_is_a_skill_error(damage) -> None:
+    registry = SkillRegistry([Skill(n, n) for n in SIX])
+    state = SkillScheduler(registry, 3).state_dict()
+    if damage == "drop cursor":
+        del state["cursor"]
+    else:
+        state.update(damage)
+    resumed = SkillScheduler(registry, 3)
+    with pytest.raises(SkillError, match="saved skill schedule is damaged"):
+        resumed.load_state_dict(state)
+    assert resumed.cursor == 0 and resumed.rounds == 0  # left as it was

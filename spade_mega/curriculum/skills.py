@@ -83,4 +83,9 @@ class SkillScheduler:
             raise SkillError(f"saved skill schedule ({state.get('skills')}, {state.get('active')} active) does not "
                              f"match the configured one ({self.registry.names}, {self.active} active); resume with "
                              "the same curriculum.skills and curriculum.active_skills")
-        self.cursor, self.rounds = int(state["cursor"]), int(state["rounds"])
+        cursor, rounds = state.get("cursor"), state.get("rounds")
+        if not (isinstance(cursor, int) and isinstance(rounds, int) and 0 <= cursor < len(self.registry)
+                and rounds >= 0) or isinstance(cursor, bool) or isinstance(rounds, bool):
+            raise SkillError(f"saved skill schedule is damaged (cursor {cursor!r}, rounds {rounds!r}; expected "
+                             f"0 <= cursor < {len(self.registry)} and rounds >= 0)")
+        self.cursor, self.rounds = cursor, rounds
