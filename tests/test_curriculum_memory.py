@@ -389,3 +389,26 @@ def test_a_file_in_place_of_the_parent_folder_is_a_clear_error(tmp_path: Path) -
     (tmp_path / "run").write_text("not a folder")
     with pytest.raises(EnvMemoryError, match="cannot create the folder"):
         EnvMemory(tmp_path / "run" / "memory.sqlite")
+
+
+def test_a_second_process_reads_while_the_trainer_writes(tmp_path: Path) -> None:
+    # `spade-mega memory stats` beside a running trainer: never "database is locked", never a partial transaction
+    # (environments arrive in whole batches of 5), totals only grow, and the writer is never held up.
+    db = tmp_path / "memory.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # the database exists and holds a first batch
+        seen = []
+        for _ in range(30):
+            with EnvMemory(db, create=False) as reader:
+                stats = reader.stats()
+                seen.append(stats["environments"])
+                assert stats["environments"] % 5 == 0 and sum(stats["by_status"].values()) == stats["environments"]
+                assert len(reader.recent(5)) == 5
+        assert proc.poll() is None  # the writer kept going all along
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert seen == sorted(seen) and seen[-1] > seen[0]
