@@ -84,3 +84,26 @@ def test_export_into_a_pipe_closed_early_exits_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and json.loads(first)["skill"] == "logic"
     assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_a_damaged_database_is_one_line_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # Pages damaged in the middle of the file: the header opens fine, the queries then fail. One line, exit 2.
+    import sqlite3
+
+    db = tmp_path / "memory.sqlite"
+    with EnvMemory(db) as mem:
+        mem.propose_many([EnvProgram(SOURCE.replace("'o'", f"'o{i}'") + "# padding\n" * 300, "h", "logic")
+                          for i in range(40)])
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.close()
+    data = bytearray(db.read_bytes())
+    third = len(data) // 3
+    data[third:2 * third] = b"\x07" * third
+    db.write_bytes(bytes(data))
+    for action in (["stats"], ["export", "-o", str(tmp_path / "out.jsonl")]):
+        assert main(["memory", *action, "--run", str(db)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(db) in err and "damaged" in err and "integrity_check" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.sqlite"]  # no half-written export left behind

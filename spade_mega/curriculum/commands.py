@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Callable
 
-from spade_mega.curriculum.memory import EnvMemory
+from spade_mega.curriculum.memory import EnvMemory, EnvMemoryError
 
 
 def memory_path(target: str) -> Path:
@@ -25,15 +26,20 @@ def memory_path(target: str) -> Path:
     return path / "memory.sqlite"
 
 
-def _piped(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """``spade-mega memory export | head``: when the reader closes the pipe, stop quietly with the shell's SIGPIPE
-    status (128 + 13) instead of a BrokenPipeError traceback."""
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A damaged database file is one line naming it (the header may open fine and a query fail later), and
+    ``spade-mega memory export | head`` stops quietly with the shell's SIGPIPE status (128 + 13) when the reader
+    closes the pipe, instead of a traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:
             status = handler(args)
             sys.stdout.flush()
             return status
+        except sqlite3.DatabaseError as exc:
+            path = memory_path(args.run)
+            raise EnvMemoryError(f"{path}: the memory database is damaged ({exc}); check it with sqlite3 {path} "
+                                 f"'PRAGMA integrity_check', recover what is left with sqlite3 {path} .recover")
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush must not fail again
             return 128 + 13
@@ -78,10 +84,14 @@ def _export(args: argparse.Namespace) -> int:
         else:
             target = Path(args.output)
             tmp = target.with_name(target.name + ".tmp")
-            with tmp.open("w", encoding="utf-8") as out:
-                count = memory.export_jsonl(out)
-                out.flush()
-                os.fsync(out.fileno())
+            try:
+                with tmp.open("w", encoding="utf-8") as out:
+                    count = memory.export_jsonl(out)
+                    out.flush()
+                    os.fsync(out.fileno())
+            except BaseException:  # the target keeps its old content; no half-written file left beside it
+                tmp.unlink(missing_ok=True)
+                raise
             tmp.replace(target)
     print(f"exported {count} environments", file=sys.stderr)
     return 0
@@ -124,12 +134,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     stats = add("stats", "totals: environments, validity, outcomes, win rates, learnable fraction")
     stats.add_argument("--json", action="store_true", help="print JSON")
-    stats.set_defaults(func=_piped(_stats))
+    stats.set_defaults(func=_guarded(_stats))
     export = add("export", "write every environment with its evaluations as JSON lines")
     export.add_argument("--output", "-o", metavar="FILE", help="output file (default: standard output)")
-    export.set_defaults(func=_piped(_export))
+    export.set_defaults(func=_guarded(_export))
     show = add("show", "one environment: provenance, evaluations, hint and source")
     show.add_argument("hash", metavar="HASH", help="content hash, or a unique prefix of at least 4 characters")
     show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(func=_piped(_show))
+    show.set_defaults(func=_guarded(_show))
 
