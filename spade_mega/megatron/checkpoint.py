@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -40,6 +40,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                        "distrib_optim_fully_reshardable_mem_efficient": True,
                        "chained_optim_avoid_prefix": True}
+
+
+T = TypeVar("T")
 
 
 class CheckpointError(SpadeError):
@@ -109,10 +112,10 @@ def _failure(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _reading(path: Path) -> Iterator[None]:
-    """Failures of the storage layer (a file of a checkpoint with a manifest missing, truncated or overwritten) as a
-    CheckpointError naming the folder. torch's CheckpointException derives from BaseException, so without this it
-    would escape every ``except Exception`` of a caller and end the run with a page of traceback."""
+def _storage_errors(message: Callable[[str], str]) -> Iterator[None]:
+    """Failures of the storage layer as a CheckpointError (``message`` of the one-line failure). torch's
+    CheckpointException derives from BaseException, so without this it would escape every ``except Exception`` of a
+    caller and end the run with a page of traceback."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -120,8 +123,37 @@ def _reading(path: Path) -> Iterator[None]:
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}: cannot be loaded ({_failure(exc)}): its files are damaged or do not match "
-                              "this model; load another checkpoint") from exc
+        raise CheckpointError(message(_failure(exc))) from exc
+
+
+def _reading(path: Path) -> contextlib.AbstractContextManager[None]:
+    """A file of a checkpoint with a manifest missing, truncated or overwritten: an error naming the folder."""
+    return _storage_errors(lambda failure: f"{path}: cannot be loaded ({failure}): its files are damaged or do not "
+                                           "match this model; load another checkpoint")
+
+
+def _writing(path: Path) -> contextlib.AbstractContextManager[None]:
+    return _storage_errors(lambda failure: f"{path}: cannot save a checkpoint there ({failure}); no earlier "
+                                           "checkpoint was removed")
+
+
+def _on_rank0(action: Callable[[], T], path: Path) -> T:
+    """``action``'s result on every rank, run by rank 0 alone (the folder operations of a save); if it fails, every
+    rank raises the same CheckpointError, where a failure on rank 0 alone would leave the others waiting in the next
+    collective."""
+    outcome: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            with _writing(path):
+                outcome = [action(), None]
+        except CheckpointError as exc:
+            outcome = [None, str(exc)]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise CheckpointError(outcome[1])
+    return outcome[0]
 
 
 def _model_state(trainer: "Trainer") -> dict[str, Any]:
@@ -230,20 +262,22 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
 
     root = Path(root)
     final = step_dir(root, trainer.step)
-    rank = dist.get_rank()
-    name = [None]
-    if rank == 0:
+
+    def start() -> Path:
         root.mkdir(parents=True, exist_ok=True)
         _recover(root)
-        name = [f".{final.name}.partial-{uuid.uuid4().hex[:12]}"]
-        (root / name[0]).mkdir()
-    dist.broadcast_object_list(name, src=0)
-    partial = root / str(name[0])
-    dist.barrier()
+        partial = root / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
+        partial.mkdir()
+        return partial
+
+    partial = _on_rank0(start, root)
     with_optimizer = _optimizer_has_state(trainer)
-    dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer), str(partial))
+    with _writing(root):
+        dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer),
+                                str(partial))
     dist.barrier()
-    if rank == 0:
+
+    def finish() -> None:
         manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
                     "layout": trainer.layout.describe(),
                     "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
@@ -260,7 +294,8 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
         _fsync(root)
         if keep is not None:
             _prune(root, keep, final)
-    dist.barrier()
+
+    _on_rank0(finish, root)
     return final
 
 

@@ -142,3 +142,15 @@ def test_keeping_the_newest_checkpoints_never_deletes_the_one_just_saved(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000010"]
     _prune(tmp_path, 1, step_dir(tmp_path, 10))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
+
+
+def test_a_save_that_cannot_write_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """The checkpoint root is an existing file: one CheckpointError naming it (raised on every rank, where a failure
+    on rank 0 alone used to leave the others waiting in the next collective), not a raw FileExistsError."""
+    (tmp_path / "init").write_text("not a folder")
+    proc = subprocess.run(worker_command(1, "reference", tmp_path), capture_output=True, text=True,
+                          env=worker_env(), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "spade_mega.megatron.checkpoint.CheckpointError: " in last and str(tmp_path / "init") in last, last
+    assert (tmp_path / "init").read_text() == "not a folder"
