@@ -123,7 +123,9 @@ def _show(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     memory = subparsers.add_parser("memory", help="inspect a run's environment memory",
-                                   description="Inspect the environment memory (SQLite) of a run.")
+                                   description="Inspect the environment memory (SQLite) of a run. Safe beside "
+                                   "the running trainer on the same node; from another host, read a copy made on "
+                                   "that node (sqlite3 memory.sqlite '.backup copy.sqlite'), not the live file.")
     actions = memory.add_subparsers(title="actions", metavar="ACTION", required=True)
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:

@@ -5,6 +5,11 @@ the history is gone for good. Here it is a SQLite database in WAL mode: each pub
 crash (even SIGKILL) loses at most the write in flight and never corrupts the file; storage is unlimited and the
 prompt-facing queries are served by indexes (a few milliseconds at millions of rows, see tools/bench/memory.py).
 
+WAL readers and the writer share an index through shared memory (the ``-shm`` file), which network filesystems
+(NFS, Lustre) do not keep coherent across hosts: run ``spade-mega memory`` on the trainer's node, or on a copy of the
+database taken there with ``sqlite3 memory.sqlite ".backup copy.sqlite"``, never from another host against the live
+file.
+
 What the designer prompt sees is a *window*: seeds and negatives are drawn from the ``prompt_window`` most recently
 played environments (reference: 200), so the prompt follows the moving frontier while nothing is ever deleted.
 """
