@@ -299,18 +299,27 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
     return final
 
 
+_SAVE_IN_PROGRESS = re.compile(r"^\.step_\d+\.(partial|replaced)-")
+
+
+def _resolve(path: Path) -> Path:
+    """The checkpoint folder ``path`` names: itself if it is a step folder (or what a save left of one), else the
+    newest complete checkpoint under it (a root, hidden or not)."""
+    if not path.is_dir() or _STEP_DIR.match(path.name) or _SAVE_IN_PROGRESS.match(path.name):
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: holds no complete checkpoint (step_<N> folder with {MANIFEST})")
+    return latest
+
+
 def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
     """Load model, optimizer and schedule into ``trainer`` (any layout); returns the checkpoint's step.
 
     ``path`` is a ``step_<N>`` folder or a root holding them (then the newest complete one is loaded)."""
     from megatron.core import dist_checkpointing
 
-    path = Path(path)
-    if path.is_dir() and not _STEP_DIR.match(path.name) and not path.name.startswith("."):
-        latest = find_latest(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: holds no complete checkpoint (step_<N> folder with {MANIFEST})")
-        path = latest
+    path = _resolve(Path(path))
     manifest = read_manifest(path)
     expected = _architecture(trainer)
     if manifest.get("architecture") != expected:

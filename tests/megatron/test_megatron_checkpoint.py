@@ -154,3 +154,21 @@ def test_a_save_that_cannot_write_is_a_checkpoint_error(tmp_path: Path) -> None:
     last = proc.stderr.strip().splitlines()[-1]
     assert "spade_mega.megatron.checkpoint.CheckpointError: " in last and str(tmp_path / "init") in last, last
     assert (tmp_path / "init").read_text() == "not a folder"
+
+
+def test_a_root_is_resolved_to_its_newest_complete_checkpoint_even_when_hidden(tmp_path: Path) -> None:
+    from spade_mega.megatron.checkpoint import _resolve, step_dir
+
+    root = tmp_path / ".checkpoints"  # a hidden root is a root, not a save in progress
+    for step in (2, 10):
+        step_dir(root, step).mkdir(parents=True)
+        (step_dir(root, step) / MANIFEST).write_text("{}")
+    step_dir(root, 11).mkdir()  # no manifest: incomplete
+    partial = root / ".step_00000012.partial-abc"
+    partial.mkdir()
+    assert _resolve(root) == step_dir(root, 10)
+    assert _resolve(step_dir(root, 2)) == step_dir(root, 2)
+    assert _resolve(partial) == partial  # named explicitly: read_manifest refuses it as interrupted
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        _resolve(tmp_path / "runs")
