@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig
+from spade_mega.errors import SpadeError
 from spade_mega.megatron import compat
+
+
+class LaunchError(SpadeError):
+    """The processes were started in a way that cannot form one torch.distributed world."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,18 @@ def _free_port() -> int:
 def init_distributed() -> int:
     """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU.
 
-    Under torchrun / srun the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT variables are used.
+    Under torchrun (or any launcher that exports them) the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    variables are used. Several srun tasks without them are refused: each would otherwise start a world of its own.
     Returns the world size.
     """
     if not dist.is_initialized():
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+        if "RANK" not in os.environ and tasks.isdigit() and int(tasks) > 1:
+            raise LaunchError(
+                f"started as one of {tasks} srun tasks (SLURM_STEP_NUM_TASKS = {tasks}) without RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT: each task would train alone. Launch one torchrun per node under srun, "
+                "or export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID and a common "
+                "MASTER_ADDR / MASTER_PORT")
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))

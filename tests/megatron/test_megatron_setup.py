@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,21 @@ def test_bad_layouts_name_the_keys(world: int, model: ModelConfig | None, parall
     with pytest.raises(ConfigError) as err:
         layout(world, model, **parallel)
     assert err.value.path == key and words in str(err.value)
+
+
+def test_srun_tasks_without_a_rendezvous_are_refused() -> None:
+    """Under `srun -n 2 python train.py` no RANK / WORLD_SIZE is set: each task would start a world of its own and
+    train alone (all writing the same checkpoints). Refused, naming what to do; one srun task is a plain process."""
+    code = "from spade_mega.megatron.parallel import init_distributed; print('WORLD', init_distributed())"
+    env = {k: v for k, v in worker_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert refused.returncode != 0 and "WORLD" not in refused.stdout
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "LaunchError" in last and "SLURM_STEP_NUM_TASKS = 2" in last and "torchrun" in last, last
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**env, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"})
+    assert alone.stdout.split()[-2:] == ["WORLD", "1"], alone.stderr[-2000:]
 
 
 def test_gpu_without_transformer_engine_names_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
