@@ -101,7 +101,7 @@ def test_workers_see_a_minimal_read_only_root_and_an_empty_environment(pool: San
     assert set(seen["root"]) <= {"usr", "lib", "lib64", "bin", "proc", "dev", "tmp", "spade", "root", "etc", "sbin"}
     assert seen["env"] == {"PYTHONHASHSEED": "0"}
     assert not seen["home"] and not seen["work"] and not seen["usr_w"] and seen["tmp_w"]
-    assert (seen["uid"], seen["pid"], seen["hostname"]) == (TEST_UID, 1, "sandbox")
+    assert (seen["uid"], seen["pid"], seen["hostname"]) == (TEST_UID, 2, "sandbox")  # pid 1: bubblewrap's init
 
 
 def test_fixed_hash_seed_makes_fresh_workers_agree() -> None:

@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,7 +23,8 @@ import pytest
 from spade_mega.envs.sandbox import (ContractViolation, EnvHandle, OutputLimitExceeded, ProgramError, ProtocolError,
                                      SandboxCrash, SandboxError, SandboxPool, SandboxTimeout)
 
-from sandbox_support import GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_pool
+from sandbox_support import (GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_missing,
+                             strict_pool)
 
 pytestmark = pytest.mark.multiproc
 
@@ -232,7 +235,7 @@ raise RuntimeError("REPORT" + json.dumps(results))
     initial = dict(item.split("=", 1) for item in tried.pop("own_environ").split("\x00") if item)
     assert initial == {"PYTHONHASHSEED": "0", "PWD": "/tmp"}  # the exec-time block; the program's os.environ is
     # emptied further (see test_sandbox), and nothing of the trainer's environment is in either
-    assert tried.pop("visible_pids") == ["1"]  # only itself: the trainer's pid does not exist in its world
+    assert tried.pop("visible_pids") == ["1", "2"]  # bubblewrap's init and itself: no pid of the trainer's world
     assert not any(outcome.startswith("SUCCEEDED") for outcome in tried.values()), tried
     assert "TOP-SECRET" not in error.message and "TOKEN-IN-TRAINER" not in error.message
     replaced_and_clean(pool, env, old)
@@ -375,3 +378,53 @@ def _rss_mb() -> float:
 def test_every_attack_ran_under_strict_isolation(pool: SandboxPool) -> None:
     assert pool.isolation is not None and pool.isolation.missing_for_strict() == []
     assert pool.isolation.uid == TEST_UID
+
+
+@pytest.mark.parametrize("bwrap", ["bwrap", "/nonexistent/bwrap"], ids=["strict", "best_effort_without_bwrap"])
+def test_a_worker_cannot_outlive_a_trainer_killed_mid_call(tmp_path: Path, bwrap: str) -> None:
+    """The program clears its parent-death signal and sleeps in step(); the trainer dies (OOM killer, preemption)
+    before the deadline. The worker must die with it, not linger reparented to init."""
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+    undying = attack_program("import time\ntime.sleep(10**6)", """
+import ctypes
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0: no signal when the parent dies
+return 'ready'
+""")
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import threading, time
+        from spade_mega.config.schema import SandboxConfig
+        from spade_mega.envs.sandbox import SandboxPool
+        from spade_mega.envs.program import EnvProgram
+        pool = SandboxPool(SandboxConfig(isolation="best-effort", bwrap={bwrap!r}, warm_workers=1, call_timeout_s=600,
+                                         uid={TEST_UID}, gid={TEST_UID}))
+        assert pool.isolation.bubblewrap == ({bwrap!r} == "bwrap")
+        env = pool.open(EnvProgram({undying!r}, "", ""))
+        env.reset(0)
+        print(env.worker_pid, flush=True)
+        threading.Thread(target=env.step, args=("go",), daemon=True).start()
+        time.sleep(600)
+    """))
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(trainer.stdout.readline())  # type: ignore[union-attr]
+        time.sleep(0.3)  # the step is in flight
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        def alive() -> bool:  # by its command line: without bubblewrap the worker may keep the trainer's uid
+            try:
+                return "worker.py" in Path(f"/proc/{worker}/cmdline").read_text()
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 5
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lingering = alive()
+        if lingering:
+            os.kill(worker, signal.SIGKILL)
+        assert not lingering, "the worker outlived the trainer"
+    finally:
+        trainer.kill()
+        trainer.wait()

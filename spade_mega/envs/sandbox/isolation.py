@@ -158,8 +158,12 @@ class Launch:
         env = {"PYTHONHASHSEED": str(self.cfg.hash_seed)}
         if not self.plan.bwrap:
             return [*python, self.rt.worker_file, settings], env
+        # No --as-pid-1: once the worker runs as the sandbox uid, the kernel refuses it the parent-death signal of a
+        # root bubblewrap (a signal across uids), so a worker busy in a call would outlive a killed trainer.
+        # bubblewrap's own init, pid 1 of the namespace, keeps bubblewrap's uid and gets that signal; its death
+        # takes the whole namespace down.
         argv = [self.plan.bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup", "--hostname", "sandbox", "--die-with-parent", "--new-session", "--as-pid-1",
+                "--unshare-cgroup", "--hostname", "sandbox", "--die-with-parent", "--new-session",
                 "--clearenv", "--setenv", "PYTHONHASHSEED", env["PYTHONHASHSEED"], "--cap-drop", "ALL"]
         if self.plan.drop_uid is not None:  # root trainer: the worker needs these three to drop to drop_uid
             argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]

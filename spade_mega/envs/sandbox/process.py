@@ -91,10 +91,10 @@ class WorkerProcess:
     def send_kill(self) -> None:
         """SIGKILL the worker without waiting (the pool sends it to many workers, then reaps them all).
 
-        Under bubblewrap the worker is pid 1 of its pid namespace, so its death takes every process of the sandbox
-        with it, and bubblewrap, its parent, reaps it and exits (its process group is killed only if it lingers, as
-        killing it first would orphan the worker). Without bubblewrap the worker leads its own process group: the
-        whole group is killed.
+        Under bubblewrap the worker is the only child of bubblewrap's init (pid 1 of the sandbox's pid namespace;
+        the program can start no process), which exits with it, taking the namespace down, and bubblewrap then
+        exits too (its process group is killed only if it lingers, as killing it first would orphan the worker).
+        Without bubblewrap the worker leads its own process group: the whole group is killed.
         """
         if self.dead:
             return
@@ -189,6 +189,12 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
         (hello,) = exchange([(worker, None, None, cfg.start_timeout_s)])
         if isinstance(hello, SandboxError) or not hello.ok:
             raise _start_failure(worker, hello.value[1] if isinstance(hello, Reply) else hello.message)
+        if info_r is not None:  # bubblewrap's init started the worker, its only child, which has now said hello
+            with open(f"/proc/{worker.pid}/task/{worker.pid}/children") as f:
+                (pid,) = f.read().split()
+            init_pidfd, worker.pid = worker.pidfd, int(pid)
+            worker.pidfd = os.pidfd_open(worker.pid)
+            os.close(init_pidfd)
         problems = []
         if cgroups is not None:  # "where available": a refusal here costs the cgroup, not the worker
             try:
@@ -211,8 +217,8 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
 
 
 def _bwrap_child_pid(info_r: int, timeout: float) -> int | None:
-    """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is the worker: --as-pid-1);
-    None if it exits or stalls first."""
+    """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is its init, the worker's
+    parent); None if it exits or stalls first."""
     data = b""
     deadline = time.monotonic() + timeout
     while not data.rstrip().endswith(b"}"):

@@ -63,7 +63,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIE
 
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_ACT_KILL_PROCESS = 0x80000000
-_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
+_SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
 _SCMP_FLTATR_ACT_BADARCH = 2
 
 
@@ -90,7 +90,8 @@ def load_seccomp(library: str) -> None:
     """Install the filter: default allow, EPERM for ``DENIED_SYSCALLS``, and argument rules for the rest.
 
     ``clone`` is allowed only with CLONE_THREAD (threads, not processes); ``clone3`` answers ENOSYS so the C library
-    falls back to ``clone``, whose flags a filter can inspect; ``kill`` and ``tgkill`` may only target this process.
+    falls back to ``clone``, whose flags a filter can inspect; ``kill`` and ``tgkill`` may only target this process;
+    ``prctl(PR_SET_PDEATHSIG)`` is refused, so the program cannot undo dying with its parent.
     A syscall from a foreign architecture (the 32-bit or x32 ABI) kills the process.
     """
     lib = ctypes.CDLL(library, use_errno=True)
@@ -120,6 +121,7 @@ def load_seccomp(library: str) -> None:
             rule(name, eperm)
         rule("clone", eperm, (0, _SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0))
         rule("clone3", _errno_action(errno.ENOSYS))
+        rule("prctl", eperm, (0, _SCMP_CMP_EQ, PR_SET_PDEATHSIG, 0))  # a worker must not outlive the trainer
         me = os.getpid()
         rule("kill", eperm, (0, _SCMP_CMP_NE, me, 0))
         rule("tgkill", eperm, (0, _SCMP_CMP_NE, me, 0))
