@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spade_mega.config.schema import SandboxConfig
-from spade_mega.envs.sandbox import (ContractViolation, LoadError, NonFiniteReward, ProgramError, SandboxCrash,
-                                     SandboxPool, SandboxUnavailable, StepResult)
+from spade_mega.envs.sandbox import (ContractViolation, LoadError, NonFiniteReward, OutputLimitExceeded, ProgramError,
+                                     SandboxCrash, SandboxPool, SandboxUnavailable, StepResult)
 from spade_mega.envs.sandbox.process import Reply, _decode
 
 from sandbox_support import (GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_config,
@@ -401,3 +401,23 @@ def test_a_worker_that_fails_to_start_once_is_retried_not_reported_to_the_caller
                 time.sleep(0.005)
             with flaky_pool.open(program(GUESS_NUMBER)) as second:  # waits for the retry
                 assert second.reset(0).startswith("I picked")
+
+
+def test_output_that_is_not_utf8_stays_within_the_output_limit() -> None:
+    """Each invalid byte decodes to a 3-byte replacement character: the reply must still fit its frame, and a reply
+    over the limit is an output-limit failure, not a protocol error blamed on a garbled pipe."""
+    binary = env_source("return 'start'", """
+        import os
+        os.write(1, b"\\xff" * int(action))
+        return "ok", 0.0, False, False, {}
+    """)
+    with strict_pool(warm_workers=1, output_limit_kb=64, reply_limit_kb=16) as small:
+        with small.open(program(binary)) as env:
+            env.reset(0)
+            env.step("3000")
+            assert env.last_output == "\ufffd" * 3000
+            with pytest.raises(OutputLimitExceeded, match="over the sandbox limit"):
+                env.step("60000")
+            env.reset(0)
+            with pytest.raises(OutputLimitExceeded, match="more than sandbox.output_limit_kb"):
+                env.step("70000")

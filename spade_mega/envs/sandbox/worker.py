@@ -217,7 +217,10 @@ class Capture:
         data = os.pread(1, min(size, self.limit), 0)
         os.ftruncate(1, 0)
         os.lseek(1, 0, os.SEEK_SET)
-        return data.decode("utf-8", "replace"), size > self.limit
+        text = data.decode("utf-8", "replace")
+        if len(text) > self.limit // 3:  # each invalid byte became a 3-byte U+FFFD: keep the reply within its frame
+            text = text.encode("utf-8")[: self.limit].decode("utf-8", "ignore")
+        return text, size > self.limit
 
 
 class Host:
