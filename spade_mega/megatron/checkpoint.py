@@ -279,7 +279,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
 
     def finish() -> None:
         manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
-                    "layout": trainer.layout.describe(),
+                    "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
                     "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -297,6 +297,23 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
 
     _on_rank0(finish, root)
     return final
+
+
+def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Path) -> None:
+    """Optimizer state loads into the kind of optimizer that saved it: the distributed optimizer's (per parameter,
+    ``fully_reshardable``) into any layout, the non-distributed one's (Megatron's per-layout structure) into the
+    layout that saved it only."""
+    saved = manifest.get("distributed_optimizer", True)
+    configured = trainer.cfg.optimizer.distributed
+    if saved != configured:
+        raise CheckpointError(f"{path}: its optimizer state was saved with optimizer.distributed: "
+                              f"{str(saved).lower()}, this run has {str(configured).lower()}; set it back to resume")
+    layout = trainer.layout.describe()
+    if not configured and manifest.get("layout") != layout:
+        raise CheckpointError(f"{path}: the state of the non-distributed optimizer (optimizer.distributed: false) "
+                              f"loads only into the layout that saved it ({manifest.get('layout')}), this run is "
+                              f"{layout}; resume in that layout (optimizer.distributed: true saves state that any "
+                              "layout loads)")
 
 
 _SAVE_IN_PROGRESS = re.compile(r"^\.step_\d+\.(partial|replaced)-")
@@ -327,14 +344,18 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
                 if manifest.get("architecture", {}).get(k) != v}
         raise CheckpointError(f"{path}: saved for another model architecture (saved, configured): {diff}")
     with_optimizer = bool(manifest.get("optimizer_state"))
+    if with_optimizer:
+        _check_optimizer_kind(trainer, manifest, path)
     with _reading(path):
         state = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, with_optimizer=with_optimizer),
                                         str(path))
         chunks = [chunk.module for chunk in trainer.model]
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
-        if with_optimizer:
+        if with_optimizer and trainer.cfg.optimizer.distributed:
             trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
+        elif with_optimizer:  # the same layout saved it (checked): Megatron's own structure as it is
+            trainer.optimizer.load_state_dict(state["optimizer"])
         else:  # saved before the first update: the optimizer starts fresh, as it did then
             for optimizer in _chained(trainer.optimizer):
                 optimizer.optimizer.state.clear()
