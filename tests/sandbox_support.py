@@ -78,17 +78,20 @@ def _status(pid: str) -> dict[str, str]:
 
 
 def sandbox_census() -> set[int]:
-    """Live processes that belong to this test's sandboxes: uid TEST_UID, or a bubblewrap child of this process."""
+    """Live processes that belong to this test's sandboxes: uid TEST_UID, or a bubblewrap child of this process
+    (the launcher) or of such a child (bubblewrap's init in the sandbox)."""
     me = str(os.getpid())
-    found = set()
+    found, bwraps = set(), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         status = _status(pid)
         if not status or status.get("State", "").startswith("Z"):
             continue
-        uid = int(status["Uid"].split()[0])
-        if uid == TEST_UID or (status.get("Name") == "bwrap" and status.get("PPid", "").strip() == me):
+        if int(status["Uid"].split()[0]) == TEST_UID:
             found.add(int(pid))
-    return found
+        elif status.get("Name") == "bwrap":
+            bwraps[pid] = status.get("PPid", "").strip()
+    launchers = {pid for pid, parent in bwraps.items() if parent == me}
+    return found | {int(pid) for pid, parent in bwraps.items() if pid in launchers or parent in launchers}
 
 
 def assert_nothing_left_behind(pool: SandboxPool, timeout: float = 5.0, also: tuple[SandboxPool, ...] = ()) -> None:
@@ -116,5 +119,7 @@ def wait_warm(pool: SandboxPool, timeout: float = 10.0) -> None:
 
 
 def pid_gone(pid: int) -> bool:
+    """Dead (a zombie left to PID 1 to reap counts: assert_nothing_left_behind checks that none is left to us)."""
     status = _status(str(pid))
-    return not status or int(status["Uid"].split()[0]) != TEST_UID and status.get("Name") != "bwrap"
+    return (not status or status.get("State", "").startswith("Z")
+            or int(status["Uid"].split()[0]) != TEST_UID and status.get("Name") != "bwrap")

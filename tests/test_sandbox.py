@@ -272,7 +272,7 @@ def test_close_kills_every_worker_and_the_pool_refuses_work() -> None:
     env.reset(0)
     wait_warm(pool)
     pids = pool.processes()
-    assert len(pids) == 6  # three workers (two warm, one open), each with its bubblewrap
+    assert len(pids) == 9  # three workers (two warm, one open), each with bubblewrap's launcher and init
     pool.close()
     assert all(pid_gone(pid) for pid in pids)
     with pytest.raises(SandboxUnavailable, match="closed"):
@@ -306,7 +306,7 @@ def test_killing_the_trainer_takes_every_worker_with_it(tmp_path: Path) -> None:
     trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in trainer.stdout.readline().split()]  # type: ignore[union-attr]
-        assert len(pids) == 8
+        assert len(pids) == 12
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         deadline = time.monotonic() + 5
@@ -421,3 +421,35 @@ def test_output_that_is_not_utf8_stays_within_the_output_limit() -> None:
             env.reset(0)
             with pytest.raises(OutputLimitExceeded, match="more than sandbox.output_limit_kb"):
                 env.step("70000")
+
+
+def test_a_trainer_that_reaps_orphans_is_left_no_zombies(tmp_path: Path) -> None:
+    """A trainer that is its container's PID 1, or a subreaper, inherits bubblewrap's exited init: it reaps it."""
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+    crash = env_source("return 'start'", "import os\nos._exit(3)")
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import ctypes, os, time
+        from spade_mega.config.schema import SandboxConfig
+        from spade_mega.envs.sandbox import SandboxCrash, SandboxPool
+        from spade_mega.envs.program import EnvProgram
+        assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        with SandboxPool(SandboxConfig(warm_workers=1, uid={TEST_UID}, gid={TEST_UID})) as pool:
+            for source in [{crash!r}, {GUESS_NUMBER!r}] * 3:
+                with pool.open(EnvProgram(source, "", "")) as env:
+                    env.reset(0)
+                    try:
+                        env.step("50")
+                    except SandboxCrash:
+                        pass
+        time.sleep(0.2)
+        me = str(os.getpid())
+        zombies = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{{p}}/status")
+                   and "State:\\tZ" in open(f"/proc/{{p}}/status").read()
+                   and f"PPid:\\t{{me}}\\n" in open(f"/proc/{{p}}/status").read()]
+        print(len(zombies))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"], done.stdout

@@ -314,9 +314,10 @@ class SandboxPool:
             return len(self._warm)
 
     def processes(self) -> set[int]:
-        """Host pids of every live worker and of the bubblewrap process that started it."""
+        """Host pids of every live worker and of the bubblewrap processes around it (the launcher and the init)."""
         with self._cond:
-            return {pid for worker in self._live for pid in (worker.pid, worker.popen.pid)}
+            return {pid for worker in self._live for pid in (worker.pid, worker.popen.pid, worker.sandbox_init)
+                    if pid is not None}
 
     # -- internals ----------------------------------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ class WorkerProcess:
         self.max_frame = max_frame
         self.seq = 0
         self.pid = popen.pid
+        self.sandbox_init: int | None = None  # host pid of bubblewrap's init, the worker's parent, under bubblewrap
+        self.init_pidfd: int | None = None
         self.pidfd: int | None = None
         self.cgroup: WorkerCgroup | None = None
         self.report: IsolationReport | None = None
@@ -125,12 +127,18 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
+        if self.init_pidfd is not None:  # bubblewrap may exit before its init does, and never reaps it: the orphan
+            select.select([self.init_pidfd], [], [], 2.0)  # goes to PID 1 or a subreaper, which may be us (a
+            try:  # container's entry point). A pidfd is readable once its process has exited.
+                os.waitid(os.P_PIDFD, self.init_pidfd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                pass
         code = self.popen.returncode  # bubblewrap exits with 128 + N when its worker died of signal N
         signum = -code if code < 0 else code - 128 if 128 < code < 128 + 65 else 0
         self.exit_note = f"killed by {_signal_name(signum)}" if signum else f"exit status {code}"
         if self.cgroup is not None:
             self.cgroup.remove()
-        for fd in (self.req_w, self.rep_r, self.pidfd):
+        for fd in (self.req_w, self.rep_r, self.pidfd, self.init_pidfd):
             if fd is not None:
                 os.close(fd)
         stderr = self.popen.stderr
@@ -192,9 +200,8 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
         if info_r is not None:  # bubblewrap's init started the worker, its only child, which has now said hello
             with open(f"/proc/{worker.pid}/task/{worker.pid}/children") as f:
                 (pid,) = f.read().split()
-            init_pidfd, worker.pid = worker.pidfd, int(pid)
+            worker.sandbox_init, worker.init_pidfd, worker.pid = worker.pid, worker.pidfd, int(pid)
             worker.pidfd = os.pidfd_open(worker.pid)
-            os.close(init_pidfd)
         problems = []
         if cgroups is not None:  # "where available": a refusal here costs the cgroup, not the worker
             try:
