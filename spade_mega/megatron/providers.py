@@ -134,6 +134,7 @@ def model_config_from_hf(path: str | Path, base: Optional[ModelConfig] = None) -
         "decoder_sparse_step": lambda v: v not in (None, 1),
         "rope_scaling": lambda v: v is not None,
         "use_sliding_window": lambda v: bool(v),
+        "layer_types": lambda v: v is not None and any(t != "full_attention" for t in v),  # transformers >= 5
         "attention_bias": lambda v: bool(v),
         "norm_topk_prob": lambda v: v is False and model_type == "qwen3_moe",
         "hidden_act": lambda v: v not in (None, "silu"),

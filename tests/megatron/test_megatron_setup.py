@@ -59,6 +59,7 @@ def test_dense_qwen3_config_is_a_model_without_experts(tmp_path: Path) -> None:
     ({"mlp_only_layers": [0]}, "mlp_only_layers"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"layer_types": ["full_attention"] * 40 + ["sliding_attention"] * 8}, "layer_types"),
     ({"num_experts_per_tok": "eight"}, "num_experts_per_tok"),
     ({"torch_dtype": "float16"}, "torch_dtype"),
     ({"num_key_value_heads": 5}, "num_query_groups"),
