@@ -98,6 +98,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')!r}, this version reads "
                               f"{FORMAT_VERSION}")
+    step = manifest.get("step")
+    if type(step) is not int or step != int(_STEP_DIR.match(path.name).group(1)):  # type: ignore[union-attr]
+        raise CheckpointError(f"{path / MANIFEST}: step {step!r} does not match the folder name {path.name} "
+                              "(resuming orders checkpoints by it): a renamed copy? give it its step's name")
     return manifest
 
 

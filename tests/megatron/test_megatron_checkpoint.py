@@ -87,6 +87,11 @@ def test_incomplete_or_foreign_checkpoints_are_refused(tmp_path: Path) -> None:
     (fake / MANIFEST).write_text("[1, 3]")
     with pytest.raises(CheckpointError, match="must hold a JSON object"):
         read_manifest(fake)
+    # the folder name orders checkpoints for resuming: a manifest of another step (a renamed copy) or none is refused
+    for manifest in ({"format": 1, "step": 7}, {"format": 1}):
+        (fake / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match="does not match the folder"):
+            read_manifest(fake)
     assert find_latest(tmp_path / "missing") is None
 
 
