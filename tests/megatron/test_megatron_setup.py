@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,29 @@ def test_srun_tasks_without_a_rendezvous_are_refused() -> None:
     alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={**env, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"})
     assert alone.stdout.split()[-2:] == ["WORLD", "1"], alone.stderr[-2000:]
+
+
+def test_nothing_is_patched_when_cuda_is_present() -> None:
+    """GPU runs use megatron-core untouched: with CUDA available install() applies no shim, and the torch.cuda
+    runtime, Tensor.type and megatron-core's modules are exactly what they were. (Here, not in
+    test_megatron_compat.py, whose tests run only without CUDA.)"""
+    code = textwrap.dedent("""
+        import json, sys, torch
+        torch.cuda.is_available = lambda: True
+        from spade_mega.megatron import compat
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.tensor_parallel import mappings, random
+        watched = [(torch.cuda, "current_stream"), (torch.cuda, "Stream"), (torch.cuda, "synchronize"),
+                   (torch.Tensor, "type"), (clip_grads, "clip_grad_by_total_norm_fp32"),
+                   (mappings, "_gather_along_first_dim"), (random, "_get_cuda_rng_state")]
+        before = [getattr(owner, name) for owner, name in watched]
+        applied = compat.install()
+        changed = [name for (owner, name), was in zip(watched, before) if getattr(owner, name) is not was]
+        print(json.dumps({"applied": applied, "installed": compat.installed(), "changed": changed}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=worker_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"applied": {}, "installed": {}, "changed": []}
 
 
 def test_gpu_without_transformer_engine_names_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
