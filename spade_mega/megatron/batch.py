@@ -215,8 +215,9 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
 
     ``length_multiple``: every row length is a multiple of it (TP for sequence parallelism, 2*CP for context
     parallelism); rows stay within ``token_budget`` padding included, so they hold at most the budget rounded down
-    to that multiple. ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline schedule needs PP).
-    ``common_length``: all rows of a rank get the longest row's length (the interleaved schedule's fixed shapes).
+    to that multiple. ``count_multiple``: the micro-batch count is a multiple of it (the interleaved pipeline
+    schedule needs PP). ``common_length``: all rows of a rank get the longest row's length (the interleaved
+    schedule's fixed shapes).
     """
     if not samples:
         raise BatchError("the batch is empty")

@@ -108,11 +108,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 def _failure(exc: BaseException) -> str:
     """One line naming what went wrong; torch's CheckpointException carries each failing rank's own error."""
     failures = getattr(exc, "failures", None)
+    where = ""
     if isinstance(failures, dict) and failures:
-        rank, (cause, _) = next(iter(failures.items()))
-        return f"rank {rank}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        rank, (exc, _) = next(iter(failures.items()))
+        where = f"rank {rank}: "
+    lines = str(exc).strip().splitlines()
+    return f"{where}{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 @contextlib.contextmanager

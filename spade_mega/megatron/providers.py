@@ -44,7 +44,7 @@ _HF_FIELDS = {
     "tie_word_embeddings": "tie_embeddings",
 }
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-# the same value under the name transformers >= 5 writes (Qwen3MoeConfig.attribute_map): config.json key -> _HF_FIELDS key
+# the same value under the name transformers >= 5 writes (Qwen3MoeConfig.attribute_map): alias -> _HF_FIELDS key
 _HF_ALIASES = {"num_local_experts": "num_experts"}
 
 
