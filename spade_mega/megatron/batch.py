@@ -55,7 +55,11 @@ class TrainSample:
 
     def __post_init__(self) -> None:
         i = self.index
-        self.tokens = _as_1d(self.tokens, torch.long, "tokens", i)
+        tokens = torch.as_tensor(self.tokens)
+        if tokens.is_floating_point() or tokens.is_complex():  # a cast would truncate 2.7 to token 2 silently
+            raise BatchError(f"{'' if i is None else f'sample {i}: '}tokens must be integer token ids, got "
+                             f"{tokens.dtype}")
+        self.tokens = _as_1d(tokens, torch.long, "tokens", i)
         self.loss_mask = _as_1d(self.loss_mask, torch.bool, "loss_mask", i)
         self.advantages = _as_1d(self.advantages, torch.float32, "advantages", i)
         n = self.tokens.numel()

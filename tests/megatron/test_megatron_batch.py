@@ -105,6 +105,7 @@ def test_packing_properties(lengths: list[int], budget: int, dp: int, multiple: 
     (lambda: TrainSample([[1, 2]], [[False, True]], [[0.0, 0.0]]), "must be 1-D"),
     (lambda: TrainSample([1, 2], [False, True], [0.0, float("nan")]), "advantages is not finite"),
     (lambda: TrainSample([-1, 2], [False, True], [0.0, 1.0]), "tokens must be >= 0"),
+    (lambda: TrainSample([1.0, 2.7], [False, True], [0.0, 1.0]), "tokens must be integer token ids"),
     (lambda: TrainSample([1, 2], [False, True], [0.0, 1.0], role="judge"), "role must be one of"),
 ])
 def test_bad_samples_are_rejected_with_the_field_named(make, words: str) -> None:
