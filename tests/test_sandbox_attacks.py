@@ -241,6 +241,31 @@ raise RuntimeError("REPORT" + json.dumps(results))
     replaced_and_clean(pool, env, old)
 
 
+def test_only_the_standard_library_is_importable_even_through_sys_path(pool: SandboxPool) -> None:
+    import glob
+    import sysconfig
+
+    stdlib = os.path.dirname(os.__file__)
+    package_dirs = [d for d in [os.path.join(stdlib, "site-packages"), *glob.glob("/usr/lib/python3*/dist-packages")]
+                    if os.path.isdir(d) and os.listdir(d)]
+    assert package_dirs, "this host should have a non-empty package folder for the test to mean anything"
+    error, env, old = launch(pool, TRY + f"""
+import os, sys
+dirs = {package_dirs!r}
+sys.path.extend(dirs + [{sysconfig.get_paths()["purelib"]!r}])
+results["listing"] = {{d: len(os.listdir(d)) for d in dirs}}
+attempt("import_pip", lambda: __import__("pip"))
+attempt("import_numpy", lambda: __import__("numpy"))
+attempt("import_yaml", lambda: __import__("yaml"))
+attempt("write_site", lambda: open(dirs[0] + "/planted.py", "w"))
+raise RuntimeError("REPORT" + json.dumps(results))
+""")
+    tried = report(error)
+    assert set(tried.pop("listing").values()) == {0}
+    assert not any(outcome.startswith("SUCCEEDED") for outcome in tried.values()), tried
+    replaced_and_clean(pool, env, old)
+
+
 def test_cannot_trace_or_signal_the_trainer(pool: SandboxPool) -> None:
     received = []
     previous = signal.signal(signal.SIGUSR1, lambda *_: received.append(1))

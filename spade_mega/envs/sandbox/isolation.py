@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import json
 import os
 import shutil
@@ -89,6 +90,7 @@ class Runtime:
 
     python: str
     read_only: tuple[str, ...]  # host paths bound read-only at the same place
+    masked: tuple[str, ...]  # package folders inside read_only hidden under an empty read-only tmpfs
     symlinks: tuple[tuple[str, str], ...]  # (target, path) for merged-/usr links such as /lib -> usr/lib
     msgpack_dir: str
     worker_file: str
@@ -112,7 +114,14 @@ def runtime() -> Runtime:
     for path in sorted({os.path.realpath(p) for p in wanted if p and os.path.exists(p)}, key=len):
         if not any(path == kept or path.startswith(kept + "/") for kept in read_only):
             read_only.append(path)
-    return Runtime(python, tuple(read_only), tuple(symlinks),
+    # The stdlib folder holds the base interpreter's site-packages and /usr/lib holds the system Python's
+    # dist-packages: a program that edits sys.path could import them. Only the standard library is the contract.
+    stdlib = os.path.dirname(os.__file__)
+    package_dirs = [os.path.join(stdlib, "site-packages"), *glob.glob("/usr/lib/python3*/dist-packages"),
+                    *glob.glob("/usr/lib/python3*/site-packages")]
+    masked = sorted({os.path.realpath(d) for d in package_dirs if os.path.isdir(d)})
+    masked = [d for d in masked if any(d.startswith(kept + "/") for kept in read_only)]
+    return Runtime(python, tuple(read_only), tuple(masked), tuple(symlinks),
                    os.path.dirname(os.path.realpath(msgpack.__file__)), os.path.realpath(worker_module.__file__))
 
 
@@ -182,6 +191,8 @@ class Launch:
         for path in self.rt.read_only:
             argv += [*parents(path), "--ro-bind", path, path]
             made.add(path)
+        for path in self.rt.masked:
+            argv += ["--tmpfs", path, "--remount-ro", path]
         for target, path in self.rt.symlinks:
             argv += ["--symlink", target, path]
         argv += ["--ro-bind", self.rt.msgpack_dir, SANDBOX_LIB + "/msgpack", "--ro-bind", self.rt.worker_file,
