@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -453,3 +454,30 @@ def test_a_trainer_that_reaps_orphans_is_left_no_zombies(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0"], done.stdout
+
+
+def test_a_pool_lifts_a_low_open_file_soft_limit_so_many_environments_stay_open(tmp_path: Path) -> None:
+    if strict_missing():
+        pytest.skip(f"strict sandbox isolation unavailable: {strict_missing()}")
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(f"""
+        import resource
+        from spade_mega.config.schema import SandboxConfig
+        from spade_mega.envs.sandbox import SandboxPool
+        from spade_mega.envs.program import EnvProgram
+        with SandboxPool(SandboxConfig(warm_workers=1, uid={TEST_UID}, gid={TEST_UID}, cgroups=False)) as pool:
+            envs = [pool.open(EnvProgram({GUESS_NUMBER!r}, "", "")) for _ in range(12)]
+            assert all(env.reset(i).startswith("I picked") for i, env in enumerate(envs))
+            print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+    """))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves nothing to lift")
+
+    def low_soft_limit() -> None:  # 40 descriptors: fewer than 12 open environments need
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard))
+
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=low_soft_limit)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip()) > 40

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import threading
 import time
 from collections import deque
@@ -29,6 +30,25 @@ from spade_mega.envs.sandbox.worker import (K_PROGRAM, K_PROTOCOL, K_REPLY_TOO_L
                                             OP_LOAD, OP_RESET, OP_STEP)
 
 log = logging.getLogger("spade_mega.sandbox")
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Lift this process's soft RLIMIT_NOFILE to its hard limit; returns (before, after).
+
+    Each live worker holds a handful of descriptors in the trainer (pipes, pidfd), and SPADE keeps hundreds of
+    environments open at once: a common soft limit of 1024 would stop a pool at about 200 workers with EMFILE.
+    Raising soft up to hard needs no privilege (it is what ``ulimit -n $(ulimit -Hn)`` does).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # e.g. above fs.nr_open: keep what we have
+            return soft, soft
+        log.info("sandbox: raised the open-file soft limit from %d to %d for the worker pool", soft, target)
+        return soft, target
+    return soft, soft
 _MAX_INFO_DEPTH = 32
 
 
@@ -171,6 +191,7 @@ class SandboxPool:
     def __init__(self, cfg: SandboxConfig | None = None) -> None:
         self.cfg = cfg or SandboxConfig()
         self.cfg.check()
+        raise_open_file_limit()
         self._plan = plan_isolation(self.cfg)
         self._launch = Launch(self._plan, self.cfg)
         self._cgroups: CgroupTree | None = None
