@@ -1,4 +1,5 @@
-"""The fused per-role advantage op against ``rl.advantages`` (its specification), under the Triton interpreter.
+"""The fused per-role advantage op against ``rl.advantages`` (its specification): compiled on a GPU when there is one,
+under the Triton interpreter on CPU otherwise (see kernel_support).
 
 Fresh random batches each run (the seed is in every failure message); the launch counter proves the kernel ran.
 """
@@ -13,12 +14,18 @@ import torch
 from spade_mega.kernels import grpo_advantage as op
 from spade_mega.kernels.dispatch import LAUNCHES
 from spade_mega.rl.advantages import AGENT, DESIGNER, grpo_advantages, token_advantages
+from kernel_support import to_cpu, to_kernel_device
 
 
 @pytest.fixture
 def gen() -> torch.Generator:
     """A generator seeded afresh each run; ``initial_seed()`` reproduces a failure."""
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def run(*args, **kwargs) -> op.GrpoAdvantages:
+    """The op on the kernel device (inputs moved there differentiably), its result back on CPU."""
+    return to_cpu(op.grpo_advantage(*to_kernel_device(args), **{k: to_kernel_device(v) for k, v in kwargs.items()}))
 
 
 def mixed_batch(gen: torch.Generator, dtype: torch.dtype = torch.float32):
@@ -46,7 +53,7 @@ def test_matches_rl_advantages_per_sample_and_per_token(gen, dtype, std_normaliz
     rewards, group_ids, roles, skill_ids, valid = mixed_batch(gen, dtype)
     loss_mask = torch.rand(rewards.numel(), 37, generator=gen) > 0.3  # 37 tokens: a partial token block
     before = LAUNCHES["grpo_advantage.forward"]
-    got = op.grpo_advantage(rewards, group_ids, roles, skill_ids, 12.5, std_normalize=std_normalize, valid=valid,
+    got = run(rewards, group_ids, roles, skill_ids, 12.5, std_normalize=std_normalize, valid=valid,
                             loss_mask=loss_mask)
     assert LAUNCHES["grpo_advantage.forward"] == before + 1
     want = grpo_advantages(rewards.double(), group_ids, roles, skill_ids, 12.5, std_normalize=std_normalize,
@@ -71,7 +78,7 @@ def test_gradient_matches_autograd_through_the_reference(gen) -> None:
     w_tokens = torch.randn(rewards.numel(), 21, generator=gen, dtype=torch.float64)
     leaf = rewards.clone().requires_grad_(True)
     before = LAUNCHES["grpo_advantage.backward"]
-    got = op.grpo_advantage(leaf, group_ids, roles, skill_ids, 3.0, valid=valid, loss_mask=loss_mask)
+    got = run(leaf, group_ids, roles, skill_ids, 3.0, valid=valid, loss_mask=loss_mask)
     (grad,) = torch.autograd.grad((got.samples * w_samples).sum() + (got.tokens * w_tokens).sum(), leaf)
     assert LAUNCHES["grpo_advantage.backward"] == before + 1
 
@@ -90,15 +97,15 @@ def test_empty_batches_and_groups_give_zeros_without_a_launch_for_nothing(gen) -
     empty = torch.zeros(0)
     ids = torch.zeros(0, dtype=torch.long)
     before = LAUNCHES["grpo_advantage.forward"]
-    out = op.grpo_advantage(empty, ids, ids, ids, 1.0, loss_mask=torch.zeros(0, 5, dtype=torch.bool))
+    out = run(empty, ids, ids, ids, 1.0, loss_mask=torch.zeros(0, 5, dtype=torch.bool))
     assert out.samples.shape == (0,) and out.tokens.shape == (0, 5)
     rewards = torch.randn(6, generator=gen)
-    none_valid = op.grpo_advantage(rewards, torch.arange(6), torch.zeros(6, dtype=torch.long),
+    none_valid = run(rewards, torch.arange(6), torch.zeros(6, dtype=torch.long),
                                    torch.zeros(6, dtype=torch.long), 1.0, valid=torch.zeros(6, dtype=torch.bool),
                                    loss_mask=torch.ones(6, 3, dtype=torch.bool))
     assert (none_valid.samples == 0).all() and (none_valid.tokens == 0).all()
     assert LAUNCHES["grpo_advantage.forward"] == before  # nothing to normalise: no segment, no launch
-    singles = op.grpo_advantage(rewards, torch.arange(6), torch.zeros(6, dtype=torch.long),
+    singles = run(rewards, torch.arange(6), torch.zeros(6, dtype=torch.long),
                                 torch.zeros(6, dtype=torch.long), 1.0)
     assert LAUNCHES["grpo_advantage.forward"] == before + 1
     assert (singles.samples == 0).all() and not singles.samples.isnan().any()
@@ -106,7 +113,7 @@ def test_empty_batches_and_groups_give_zeros_without_a_launch_for_nothing(gen) -
 
 def test_results_are_deterministic(gen) -> None:
     rewards, group_ids, roles, skill_ids, valid = mixed_batch(gen)
-    runs = [op.grpo_advantage(rewards, group_ids, roles, skill_ids, 2.0, valid=valid).samples for _ in range(2)]
+    runs = [run(rewards, group_ids, roles, skill_ids, 2.0, valid=valid).samples for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 
@@ -129,4 +136,4 @@ def test_bad_inputs_are_refused_alike_on_both_paths(use_kernels) -> None:
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
-            op.grpo_advantage(*args, use_kernels=use_kernels)
+            run(*args, use_kernels=use_kernels)

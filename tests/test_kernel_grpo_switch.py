@@ -1,5 +1,6 @@
 """``kernels.enabled``: the switch point gives rl's results on both sides of it, and over a real tensor-parallel
-vocab split."""
+vocab split. Kernels run compiled on a GPU when there is one, interpreted on CPU otherwise (see kernel_support); the
+gloo ranks run on CPU under the interpreter either way."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from spade_mega.config.schema import KernelsConfig, RLConfig
 from spade_mega.kernels import grpo
 from spade_mega.kernels.dispatch import LAUNCHES
 from spade_mega.rl.advantages import AGENT, DESIGNER
+from kernel_support import KERNEL_DEVICE, to_cpu, to_kernel_device
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ON, OFF = KernelsConfig(enabled=True), KernelsConfig(enabled=False)
@@ -37,13 +39,15 @@ def loss_batch(seed: int) -> dict:
                 ref_logprobs=lp + 0.1 * torch.randn(shape, generator=g))
 
 
-def run_loss(batch: dict, kernels: KernelsConfig, logits: torch.Tensor, **kw):
-    logits = logits.clone().requires_grad_(True)
-    args = {k: v for k, v in batch.items() if k != "logits"}
+def run_loss(batch: dict, kernels: KernelsConfig, logits: torch.Tensor, device: torch.device = KERNEL_DEVICE,
+             **kw):
+    """Loss, metrics and logits gradient on ``device``, returned on CPU."""
+    logits = logits.to(device).requires_grad_(True)
+    args = {k: v.to(device) for k, v in batch.items() if k != "logits"}
     loss, metrics = grpo.policy_loss_from_logits(logits=logits, rl=RL, kernels=kernels, temperature=TEMPERATURE,
                                                  **args, **kw)
     loss.backward()
-    return loss.detach(), metrics, logits.grad
+    return to_cpu((loss.detach(), metrics, logits.grad))
 
 
 def test_policy_loss_from_logits_is_the_same_on_both_sides_of_the_switch() -> None:
@@ -68,9 +72,10 @@ def test_sample_advantages_is_the_same_on_both_sides_of_the_switch() -> None:
     groups, skills = torch.arange(40) // 8, torch.randint(0, 3, (40,), generator=g)
     mask = torch.rand(40, 9, generator=g) > 0.4
     before = LAUNCHES["grpo_advantage.forward"]
-    off = grpo.sample_advantages(rewards, groups, roles, skills, 4.0, RLConfig(), OFF, loss_mask=mask)
+    rewards, groups, roles, skills, mask = to_kernel_device((rewards, groups, roles, skills, mask))
+    off = to_cpu(grpo.sample_advantages(rewards, groups, roles, skills, 4.0, RLConfig(), OFF, loss_mask=mask))
     assert LAUNCHES["grpo_advantage.forward"] == before
-    on = grpo.sample_advantages(rewards, groups, roles, skills, 4.0, RLConfig(), ON, loss_mask=mask)
+    on = to_cpu(grpo.sample_advantages(rewards, groups, roles, skills, 4.0, RLConfig(), ON, loss_mask=mask))
     assert LAUNCHES["grpo_advantage.forward"] == before + 1
     torch.testing.assert_close(on.samples, off.samples, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(on.tokens, off.tokens, rtol=1e-6, atol=1e-6)
@@ -90,7 +95,8 @@ def _tp_rank(rank: int, world: int, init: str, seed: int, enabled: bool, out: st
         shard = VOCAB // world
         logits = batch["logits"][..., rank * shard:(rank + 1) * shard]
         before = LAUNCHES["tis_logprob.shard_stats"]
-        loss, metrics, grad = run_loss(batch, KernelsConfig(enabled=enabled), logits, tp_group=dist.group.WORLD)
+        loss, metrics, grad = run_loss(batch, KernelsConfig(enabled=enabled), logits, torch.device("cpu"),
+                                       tp_group=dist.group.WORLD)
         torch.save({"loss": loss, "metrics": metrics, "grad": grad,
                     "launches": LAUNCHES["tis_logprob.shard_stats"] - before}, f"{out}.{rank}")
     finally:
@@ -99,7 +105,9 @@ def _tp_rank(rank: int, world: int, init: str, seed: int, enabled: bool, out: st
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("enabled", [True, False], ids=["kernels", "reference"])
-def test_tensor_parallel_vocab_split_over_gloo_matches_one_process(tmp_path: Path, enabled: bool) -> None:
+def test_tensor_parallel_vocab_split_over_gloo_matches_one_process(tmp_path: Path, enabled: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks run on CPU, so their kernels are interpreted
     seed = int.from_bytes(os.urandom(4), "little")
     out = str(tmp_path / "rank")
     mp.spawn(_tp_rank, args=(2, f"file://{tmp_path / 'store'}", seed, enabled, out), nprocs=2, join=True)

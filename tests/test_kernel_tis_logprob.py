@@ -1,7 +1,7 @@
 """The fused log-prob / entropy / PPO-clip / TIS op against a float64 truth built on ``rl.loss.policy_loss``.
 
-Kernels run under the Triton interpreter on CPU (conftest sets TRITON_INTERPRET=1); every test that claims the kernel
-ran checks the launch counter. Inputs are fresh random draws each run; the seed is in every failure message.
+Kernels run compiled on a GPU when there is one and under the Triton interpreter on CPU otherwise (see
+kernel_support); every test that claims the kernel ran checks the launch counter. Inputs are fresh random draws each run; the seed is in every failure message.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from spade_mega.config.schema import RLConfig
 from spade_mega.kernels import tis_logprob as op
 from spade_mega.kernels.dispatch import LAUNCHES
 from spade_mega.rl.loss import policy_loss
+from kernel_support import to_cpu, to_kernel_device
 
 STAGES = ("tis_logprob.shard_stats", "tis_logprob.finalize", "tis_logprob.logits_grad")
 TEMPERATURE = 0.7
@@ -66,23 +67,25 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tol: float, seed: int, w
           scale: Optional[float] = None) -> None:
     """Close within ``tol`` relative to ``scale`` (default: the largest expected magnitude); a sum that cancels
     needs the magnitude of its terms as ``scale``."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+    actual, expected = actual.detach().cpu().double(), expected.detach().cpu().double()
     scale = scale if scale is not None else float(expected.abs().max()) if expected.numel() else 1.0
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * max(scale, 1e-3),
                                msg=lambda m: f"{what} (seed {seed}): {m}")
 
 
 def run_op(b: Batch, *, with_rollout: bool, with_entropy: bool, use_kernels: bool = True, logits=None):
-    logits = (b.logits if logits is None else logits).detach().clone().requires_grad_(True)
-    res = op.tis_logprob(logits, b.tokens, b.old, b.adv, rollout_logprobs=b.rollout if with_rollout else None,
-                         loss_mask=b.mask, temperature=TEMPERATURE, with_entropy=with_entropy,
+    """The op on the kernel device; the leaf it returns lives there, the result comes back to CPU."""
+    logits = to_kernel_device(b.logits if logits is None else logits).detach().clone().requires_grad_(True)
+    tokens, old, adv, rollout, mask = to_kernel_device((b.tokens, b.old, b.adv, b.rollout, b.mask))
+    res = op.tis_logprob(logits, tokens, old, adv, rollout_logprobs=rollout if with_rollout else None,
+                         loss_mask=mask, temperature=TEMPERATURE, with_entropy=with_entropy,
                          use_kernels=use_kernels, block_v=BLOCK_V)
-    return logits, res
+    return logits, to_cpu(res)
 
 
 def grad_of(loss: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     (g,) = torch.autograd.grad(loss, leaf, retain_graph=True)
-    return g
+    return g.cpu()
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "reference"])
@@ -192,19 +195,21 @@ def test_simulated_vocab_parallel_split_matches_the_whole_vocab(gen) -> None:
     b.logits[:, 450:] = -torch.inf
     b.tokens = b.tokens % 300  # every sampled token lies in the first two shards
     bounds = [(0, 170), (170, 450), (450, 500)]
-    shards = [b.logits[:, lo:hi].contiguous() for lo, hi in bounds]
+    shards = [to_kernel_device(b.logits[:, lo:hi].contiguous()) for lo, hi in bounds]
+    tokens, old, adv, rollout, mask = to_kernel_device((b.tokens, b.old, b.adv, b.rollout, b.mask))
     before = LAUNCHES.copy()
-    stats = torch.stack([op.shard_stats(s, b.tokens, b.mask, lo, TEMPERATURE, True, block_v=BLOCK_V)
+    stats = torch.stack([op.shard_stats(s, tokens, mask, lo, TEMPERATURE, True, block_v=BLOCK_V)
                          for s, (lo, _) in zip(shards, bounds)])
-    out = op.finalize(stats, b.old, b.adv, b.rollout, b.mask, 0.2, 0.28, 0.0, 2.0, True)
+    out = op.finalize(stats, old, adv, rollout, mask, 0.2, 0.28, 0.0, 2.0, True)
     x, lp, ent = truth_logprobs(b.logits, b.tokens)
     close(out.logprobs, torch.where(b.mask, lp, 0.0), 2e-5, seed, "log-probs")
     close(out.entropy, torch.where(b.mask, ent, 0.0), 2e-5, seed, "entropy")
 
     coef_lp = torch.where(b.mask, torch.randn(10, generator=gen), 0.0)
     coef_ent = torch.where(b.mask, torch.randn(10, generator=gen), 0.0)
-    grad = torch.cat([op.logits_grad(s, b.tokens, out.lse, out.entropy, coef_lp, coef_ent, lo, TEMPERATURE,
-                                     block_v=BLOCK_V) for s, (lo, _) in zip(shards, bounds)], dim=1)
+    coefs = to_kernel_device((coef_lp, coef_ent))
+    grad = torch.cat([op.logits_grad(s, tokens, out.lse, out.entropy, *coefs, lo, TEMPERATURE, block_v=BLOCK_V)
+                      for s, (lo, _) in zip(shards, bounds)], dim=1)
     want = grad_of((coef_lp.double() * lp + coef_ent.double() * torch.where(b.mask, ent, 0.0)).sum(), x)
     close(grad, want, 1.5e-2, seed, "logits gradient, shard by shard")
     assert LAUNCHES["tis_logprob.shard_stats"] - before["tis_logprob.shard_stats"] == 3
