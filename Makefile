@@ -7,7 +7,7 @@ CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv sysdeps clean-venv
+.PHONY: test venv sysdeps clean-venv device-wheels
 
 test: $(STAMP) sysdeps
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -21,7 +21,7 @@ $(STAMP): $(CONSTRAINTS) setup.py pyproject.toml
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet -c $(CONSTRAINTS) torch
 	$(PIP) install --quiet --no-deps --ignore-requires-python -c $(CONSTRAINTS) megatron-core
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $(STAMP)
 
 # System packages the tests use, installed when we can (root with apt-get); otherwise the tests that need them
@@ -39,3 +39,9 @@ sysdeps:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Wheels for a GPU machine without a package registry (tools/bench/gpu.sh unpacks what .whl/ holds): the bench's
+# Liger baseline. Pure Python, so one wheel serves any Python version there.
+device-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5

@@ -35,6 +35,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        # tools/bench kernels' Liger baseline (its CPU correctness check runs Liger's kernel under the interpreter)
+        "bench": ["liger-kernel"],
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         "vllm": ["vllm"],

@@ -22,3 +22,4 @@ def test_kernels_bench_on_cpu_checks_correctness_only() -> None:
     assert "checking correctness only" in out and "no timings" in out and "all checks passed" in out
     assert "FAIL" not in out and "GB/s" not in out
     assert "tis_logprob.logits_grad" in out and "grpo_advantage.forward" in out  # the kernels themselves ran
+    assert "ok   tis_logprob loss (no TIS) vs Liger's triton_grpo_loss" in out  # the GPU table's Liger baseline

@@ -76,16 +76,20 @@ def fused_logprob_entropy(logits, tokens):
 
 
 def liger_loss_fn() -> Optional[Callable]:
-    """Liger's fused GRPO loss on our single-sequence layout, or None when liger-kernel is not installed."""
+    """Liger's fused GRPO loss on our single-sequence layout, or None when liger-kernel is not installed.
+
+    ``logits_plus_one`` is ``[tokens + 1, vocab]``: Liger reads ``[batch, L + 1, vocab]`` and drops the last
+    position. Its ``bnpo`` reduction is the token mean over the mask, the same as :func:`fused_tis_loss`."""
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
     except ImportError:
         return None
 
     def run(logits_plus_one, tokens, old, adv, mask):
-        out = triton_grpo_loss(logits_plus_one, old[None], None, tokens[None], adv[:1], mask[None].int(),
-                               temperature=TEMPERATURE, beta=0.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, inplace=False)
-        return out[0] if isinstance(out, tuple) else out
+        loss, _ = triton_grpo_loss(logits_plus_one[None], old[None], None, tokens[None], adv[:1], mask[None].int(),
+                                   temperature=TEMPERATURE, beta=0.0, eps_low=EPS_LOW, eps_high=EPS_HIGH,
+                                   inplace=False, loss_type="bnpo", reduce=True)
+        return loss
 
     return run
 
@@ -155,6 +159,19 @@ def check_correctness() -> int:
         fused, eager = fused_logprob_entropy(x["logits"], x["tokens"]), eager_logprob_entropy(x["logits"], x["tokens"])
         report(f"log-prob and entropy vs eager ({dtype})",
                max(float((a - b).abs().max()) for a, b in zip(fused, eager)), 1e-4)
+    liger = liger_loss_fn()
+    if liger is None:
+        print("  (liger-kernel not installed: the Liger baseline is not checked)")
+    else:  # the GPU table's Liger column compares like with like: the same loss and gradient, without TIS
+        x = tis_inputs(48, 1000, torch.float32, "cpu", seed=3, extra_row=True)
+        ours = x["logits"].detach().clone().requires_grad_(True)
+        theirs = x["full"].detach().clone().requires_grad_(True)
+        a = fused_tis_loss(ours, x["tokens"], x["old"], x["adv"], None, x["mask"])
+        b = liger(theirs, x["tokens"], x["old"], x["adv"], x["mask"])
+        report("tis_logprob loss (no TIS) vs Liger's triton_grpo_loss", float((a - b).detach().abs()), 1e-5)
+        g_ours, g_theirs = torch.autograd.grad(a, ours)[0], torch.autograd.grad(b, theirs)[0]
+        report("logits gradient vs Liger's (relative)", float((g_ours - g_theirs[:-1]).abs().max())
+               / float(g_theirs.abs().max()), 1e-5)
     a = advantage_inputs(2000, "cpu", seed=2)
     fused = grpo_advantage.grpo_advantage(a["rewards"], a["group_ids"], a["roles"], a["skill_ids"], 12.0).samples
     eager = grpo_advantages(a["rewards"], a["group_ids"], a["roles"], a["skill_ids"], 12.0)
@@ -166,6 +183,28 @@ def check_correctness() -> int:
 
 
 # ----------------------------------------------------------------------------------------------- GPU: timings
+def agreement_with_eager(x: dict) -> str:
+    """Our loss and logits gradient against the eager baseline on the benchmark's own inputs (a timing of a wrong
+    result is worth nothing); the gradient over its first 1,024 rows, to bound the comparison's memory."""
+    import torch
+
+    results = []
+    for fn in (fused_tis_loss, eager_tis_loss):
+        leaf = x["logits"].detach().requires_grad_(True)
+        try:
+            loss = fn(leaf, x["tokens"], x["old"], x["adv"], x["rollout"], x["mask"])
+            results.append((float(loss), torch.autograd.grad(loss, leaf)[0][:1024].float()))
+        except torch.cuda.OutOfMemoryError:
+            return f"{fn.__name__} ran out of memory: agreement not checked"
+        finally:
+            del leaf
+            torch.cuda.empty_cache()
+    (ours, g_ours), (eager, g_eager) = results
+    rel = float((g_ours - g_eager).abs().max()) / max(float(g_eager.abs().max()), 1e-30)
+    return (f"loss {ours:.6f} vs eager {eager:.6f} (|difference| {abs(ours - eager):.1e}), logits gradient relative "
+            f"error {rel:.1e} (bf16 gradient: ~4e-3 expected)")
+
+
 def benchmark(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -227,6 +266,7 @@ def benchmark(args: argparse.Namespace) -> int:
 
         shape = f"{n_tokens} x {args.vocab}"
         elements = n_tokens * args.vocab
+        print(f"# {shape}: {agreement_with_eager(x)}", flush=True)
         ours = timed(fwd_bwd(fused_tis_loss))
         row("tis_logprob fwd+bwd (TIS)", shape, ours, 3 * elements * 2, timed(fwd_bwd(eager_tis_loss)),
             timed(fwd_bwd(compiled_loss)), False)
