@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from spade_mega.config.schema import SandboxConfig
 from spade_mega.envs.sandbox import (ContractViolation, LoadError, NonFiniteReward, OutputLimitExceeded, ProgramError,
                                      SandboxCrash, SandboxPool, SandboxUnavailable, StepResult)
-from spade_mega.envs.sandbox.process import Reply, _decode
+from spade_mega.envs.sandbox.process import MAX_REPLY_VALUES, Reply, _decode
 
 from sandbox_support import (GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_config,
                              strict_missing, strict_pool, wait_warm)
@@ -337,6 +337,23 @@ def test_any_reply_bytes_decode_to_a_reply_or_a_stated_problem(body: bytes) -> N
     assert isinstance(decoded, (Reply, str))
     if isinstance(decoded, Reply):
         assert type(decoded.output) is str and type(decoded.output_overflow) is bool
+
+
+def _step_reply(observation: str, info: dict) -> bytes:
+    return msgpack.packb([3, 0, [observation, 0.0, False, False, info], "", False])
+
+
+def test_reply_decoding_builds_only_what_the_protocol_needs() -> None:
+    # 13 values around the info list: envelope (6: itself and its 5 fields), step value (5), the key "n", the list
+    at_limit = _step_reply("", {"n": [0.5] * (MAX_REPLY_VALUES - 13)})
+    assert len(at_limit) > MAX_REPLY_VALUES and isinstance(_decode(at_limit, 3), Reply)
+    over = _step_reply("", {"n": [0.5] * (MAX_REPLY_VALUES - 12)})
+    assert f"more than {MAX_REPLY_VALUES} values" in _decode(over, 3)
+    observation = _step_reply("x" * (1 << 20), {})  # a long observation is one value: decoded as usual
+    assert _decode(observation, 3, max_string=1 << 20).value[0] == "x" * (1 << 20)
+    assert "exceeds max_str_len" in _decode(observation, 3, max_string=(1 << 20) - 1)
+    for extension in (msgpack.ExtType(1, b""), msgpack.ExtType(7, b"abc"), msgpack.Timestamp(0)):
+        assert "undecodable" in _decode(_step_reply("", {"t": extension}), 3)
 
 
 COUNTER = env_source("""

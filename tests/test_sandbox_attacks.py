@@ -8,6 +8,7 @@ failed call, and every failed call retires its worker.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -16,12 +17,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from spade_mega.envs.sandbox import (ContractViolation, EnvHandle, OutputLimitExceeded, ProgramError, ProtocolError,
                                      SandboxCrash, SandboxError, SandboxPool, SandboxTimeout)
+from spade_mega.envs.sandbox.process import MAX_REPLY_VALUES
 
 from sandbox_support import (GUESS_NUMBER, TEST_UID, assert_nothing_left_behind, pid_gone, program, strict_missing,
                              strict_pool)
@@ -366,6 +370,35 @@ def test_hostile_reply_bytes_are_rejected_without_being_executed(pool: SandboxPo
     step = FORGE.format(marker=marker, data=data) + "return 'fine', 0.0, True, False, {}"
     error, env, old = launch(pool, step, expect=expect)
     assert not marker.exists()  # nothing a worker sends is ever unpickled
+    replaced_and_clean(pool, env, old)
+
+
+def tiny_values_reply(item: bytes) -> bytes:
+    """A ~1 MiB step reply whose info is lists of 60,000 ``item`` each: every list within the per-list limit."""
+    inner = b"\xdc" + (60_000).to_bytes(2, "big") + item * 60_000
+    count = ((1 << 20) - 64) // len(inner)
+    return bytes([0x95, 3, 0, 0x95, 0xa0, 0, 0xc2, 0xc2, 0xdd]) + count.to_bytes(4, "big") + inner * count + b"\xa0\xc2"
+
+
+@pytest.mark.parametrize("item", [b"\x90", b"\x80", b"\x91\x90"], ids=["empty_arrays", "empty_maps", "nested"])
+def test_a_reply_of_a_million_tiny_values_is_refused_before_it_is_built(pool: SandboxPool, item: bytes) -> None:
+    # One msgpack byte is an empty list or dict, ~64 bytes once built: this 1 MiB reply would cost ~70 MB.
+    attack = (inspect.getsource(tiny_values_reply) + f"body = tiny_values_reply({item!r})\n"
+              "import json, os, sys, time\n"
+              "os.write(json.loads(sys.argv[1])['rep_fd'], len(body).to_bytes(4, 'big') + body)\ntime.sleep(30)")
+    tracemalloc.start()
+    try:
+        error, env, old = launch(pool, attack, expect=ProtocolError)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        msgpack.unpackb(tiny_values_reply(item))  # the same reply decoded without limits: what this test prevents
+        _, unbounded = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert unbounded > 50 << 20
+    assert peak < unbounded / 8 and peak < 8 << 20, (peak, unbounded)
+    assert f"more than {MAX_REPLY_VALUES} values" in str(error)  # names the limit
+    assert "environment Attack (program " in str(error)  # and the environment
     replaced_and_clean(pool, env, old)
 
 

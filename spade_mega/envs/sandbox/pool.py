@@ -227,7 +227,7 @@ class SandboxPool:
         except BaseException:  # the source could not be sent (or we were interrupted): the worker goes too
             self._retire(worker)
             raise
-        loaded = self._loaded(reply)
+        loaded = self._loaded(reply, worker, program)
         if isinstance(loaded, SandboxError):
             self._retire(worker)
             raise loaded
@@ -262,7 +262,7 @@ class SandboxPool:
                 self._retire(worker)
             raise
         for i, worker, reply in zip(stale, fresh, loads):
-            loaded = self._loaded(reply)
+            loaded = self._loaded(reply, worker, envs[i].program)
             if isinstance(loaded, SandboxError):
                 self._retire(worker)
                 envs[i].last_output = loaded.output
@@ -458,7 +458,9 @@ class SandboxPool:
             else:
                 log.info("sandbox isolation: %s%s", report.describe(), cgroups)
 
-    def _loaded(self, reply: Reply | SandboxError) -> tuple[str, int] | SandboxError:
+    def _loaded(self, reply: Reply | SandboxError, worker: WorkerProcess,
+                program: EnvProgram) -> tuple[str, int] | SandboxError:
+        """The class name and max_turns of a loaded program; labels its worker with them for error messages."""
         if isinstance(reply, SandboxError):
             return reply
         error = self._reply_error(reply, OP_LOAD)
@@ -467,6 +469,7 @@ class SandboxPool:
         value = reply.value
         if not (type(value) is list and len(value) == 2 and type(value[0]) is str and type(value[1]) is int):
             return ProtocolError(f"malformed load reply {type(value).__name__}", reply.output)
+        worker.label = f"{value[0][:80]} (program {program.content_hash[:12]})"
         return value[0], value[1]
 
     def _reply_error(self, reply: Reply, op: str) -> SandboxError | None:

@@ -1,8 +1,9 @@
 """One sandbox worker as the trainer sees it: start it, exchange framed messages under deadlines, kill and reap it.
 
 Everything that arrives from a worker is hostile bytes: frames are bounded before they are read, bodies are decoded
-with msgpack into plain data (never unpickled) and the envelope is checked field by field. A call that overruns its
-deadline, hits EOF, or receives a malformed frame kills the worker.
+with msgpack into plain data (never unpickled) within limits on what decoding may build (:func:`_decode`), and the
+envelope is checked field by field. A call that overruns its deadline, hits EOF, or receives a malformed frame kills
+the worker.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from spade_mega.envs.sandbox.isolation import IsolationReport, Launch, inspect_w
 from spade_mega.envs.sandbox.worker import FRAME, ST_ERR, ST_OK
 
 _ENVELOPE = 4096  # reply bytes allowed beyond reply_limit_kb for the envelope and the captured output
+# Values (scalars and containers, at any depth) one reply may hold. A reply is an envelope, an observation string and
+# a small JSON-like info dict, so it needs a few dozen; the bound matters because msgpack spends one byte on an empty
+# list or dict that costs the trainer ~64 once built: a 1 MiB frame of them would become ~70 MB of Python objects.
+# At this limit a decoded reply stays within a few MB beyond its strings, which the frame already bounds.
+MAX_REPLY_VALUES = 1 << 16
+_CONTAINER_HEADERS = {**dict.fromkeys([*range(0x90, 0xA0), 0xDC, 0xDD], 1),  # fixarray, array 16, array 32
+                      **dict.fromkeys([*range(0x80, 0x90), 0xDE, 0xDF], 2)}  # fixmap, map 16, map 32: 2 values each
 _ATOMIC_WRITE = select.PIPE_BUF - FRAME.size  # pipe writes up to PIPE_BUF bytes are all-or-nothing
 _packb = msgpack.Packer().pack
 
@@ -50,6 +58,8 @@ class WorkerProcess:
         self.req_w = req_w
         self.rep_r = rep_r
         self.max_frame = max_frame
+        self.max_string = max_frame  # longest str or bytes a reply may carry (spawn sets it from the config)
+        self.label = ""  # the environment it hosts, for error messages: set by the pool once a program is loaded
         self.seq = 0
         self.pid = popen.pid
         self.sandbox_init: int | None = None  # host pid of bubblewrap's init, the worker's parent, under bubblewrap
@@ -187,6 +197,7 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
     cfg = launch.cfg
     worker = WorkerProcess(popen, req_w, rep_r, (cfg.reply_limit_kb << 10) + (cfg.output_limit_kb << 10) + _ENVELOPE)
+    worker.max_string = max(cfg.reply_limit_kb, cfg.output_limit_kb) << 10  # the worker caps both before sending
     try:
         if info_r is not None:
             child = _bwrap_child_pid(info_r, cfg.start_timeout_s)
@@ -356,17 +367,30 @@ def _receive(pending: _Pending) -> Reply | SandboxError | None:
         worker.kill()
         return ProtocolError(f"the worker sent {len(pending.buf) - 4 - size} bytes beyond its reply to "
                              f"{pending.op}; the worker was killed")
-    reply = _decode(pending.buf[4:], worker.seq)
+    reply = _decode(pending.buf[4:], worker.seq, worker.max_string)
     if isinstance(reply, str):
         worker.kill()
-        return ProtocolError(f"{reply} from the worker during {pending.op}; the worker was killed")
+        source = f"the worker of environment {worker.label}" if worker.label else "the worker"
+        return ProtocolError(f"{reply} from {source} during {pending.op}; the worker was killed")
     return reply
 
 
-def _decode(body: bytes, seq: int) -> Reply | str:
-    """The reply, or what is wrong with it."""
+def _decode(body: bytes, seq: int, max_string: int | None = None) -> Reply | str:
+    """The reply, or what is wrong with it.
+
+    Nothing is built beyond the protocol's needs: at most MAX_REPLY_VALUES values, no str or bytes longer than
+    ``max_string`` (default: the body's length), no msgpack extension types (the protocol has none), and nesting
+    within the msgpack decoder's fixed stack. A body short enough cannot hold too many values (each takes a byte or
+    more), so only a long one is first counted, header by header, without building anything.
+    """
+    max_string = len(body) if max_string is None else max_string
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+        if len(body) > MAX_REPLY_VALUES and _count_values(body, MAX_REPLY_VALUES) > MAX_REPLY_VALUES:
+            return (f"a reply holding more than {MAX_REPLY_VALUES} values (the protocol's limit per reply: an "
+                    f"observation and a small info dict need far fewer)")
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True, max_str_len=max_string,
+                                  max_bin_len=max_string, max_array_len=MAX_REPLY_VALUES,
+                                  max_map_len=MAX_REPLY_VALUES // 2, max_ext_len=0, ext_hook=_no_extension)
     except Exception as exc:  # noqa: BLE001 - any decoding failure means hostile or corrupt bytes
         return f"undecodable reply ({type(exc).__name__}: {str(exc)[:200]})"
     if type(message) is not list or len(message) != 5:
@@ -379,3 +403,26 @@ def _decode(body: bytes, seq: int) -> Reply | str:
     if status == ST_ERR and not (type(value) is list and len(value) == 2 and all(type(v) is str for v in value)):
         return "malformed error reply"
     return Reply(status == ST_OK, value, output, overflow)
+
+
+def _no_extension(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code}, which the protocol never sends")
+
+
+def _count_values(body: bytes, limit: int) -> int:
+    """How many values the first msgpack object in ``body`` holds, counting up to ``limit + 1`` and building none:
+    containers are read by their headers, everything else is skipped. Malformed bytes raise."""
+    unpacker = msgpack.Unpacker(max_buffer_size=len(body))
+    unpacker.feed(body)
+    pending, count = 1, 0
+    while pending and count <= limit:
+        kind = _CONTAINER_HEADERS.get(body[unpacker.tell()])
+        if kind is None:
+            unpacker.skip()
+        elif kind == 1:
+            pending += unpacker.read_array_header()
+        else:
+            pending += 2 * unpacker.read_map_header()
+        pending -= 1
+        count += 1
+    return count
