@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import ValidationConfig
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
@@ -19,6 +20,7 @@ from sandbox_support import GUESS_NUMBER, program, strict_pool
 pytestmark = pytest.mark.multiproc
 
 KNOWN_BAD = sorted((Path(__file__).parent / "data" / "known_bad").glob("*.py"))
+TEST_BUDGET_S = 3.0  # validation.time_budget_s for the known-bad programs: the others are rejected well within it
 
 
 def expected_reason(path: Path) -> Reason:
@@ -54,7 +56,7 @@ def pool():
 @pytest.fixture(scope="module")
 def known_bad_reports(pool: SandboxPool) -> dict[str, ValidationReport]:
     unsolvable = KNOWN_BAD[[p.name for p in KNOWN_BAD].index("unsolvable.py")]
-    validator = Validator(pool, ValidationConfig(concurrency=4))
+    validator = Validator(pool, ValidationConfig(concurrency=4, time_budget_s=TEST_BUDGET_S))
     programs = [program(path.read_text()) for path in KNOWN_BAD if path != unsolvable]
     reports = dict(zip([p.name for p in KNOWN_BAD if p != unsolvable], validator.validate_many(programs)))
     checked = Validator(pool, solvability=brute_force_solvable(["1", "123456789012"], 2))
@@ -124,3 +126,19 @@ def test_reasons_count_for_metrics(known_bad_reports: dict[str, ValidationReport
     counts = Counter(report.reason for report in known_bad_reports.values())
     assert counts[Reason.BAD_MAX_TURNS] == 2 and counts[Reason.STEP_CONTRACT] == 2
     assert all(isinstance(reason, Reason) and reason.value == str(reason.value) for reason in counts)
+
+
+def test_a_slow_program_is_stopped_at_the_validation_time_budget(known_bad_reports: dict[str, ValidationReport]) -> None:
+    report = known_bad_reports["time_budget.py"]
+    assert report.reason == Reason.TIME_BUDGET
+    assert f"over validation.time_budget_s ({TEST_BUDGET_S:g} s)" in report.detail
+    took = float(report.detail.split("took ")[1].split(" s")[0])
+    assert TEST_BUDGET_S <= took < report.seconds
+    # 4 rounds of 100 steps of 0.2 s would hold the validator for 80 s; it stops within a step or two of the budget
+    assert report.seconds < TEST_BUDGET_S + 5
+
+
+def test_the_time_budget_must_be_positive() -> None:
+    ValidationConfig(time_budget_s=0.5).check()
+    with pytest.raises(ConfigError, match="validation.time_budget_s"):
+        ValidationConfig(time_budget_s=0).check()

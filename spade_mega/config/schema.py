@@ -416,11 +416,15 @@ class ValidationConfig:
     seed: int = 0  # seed of the determinism check and of the random-action policy
     random_episodes: int = 2  # episodes played with random actions (each must end within max_turns)
     concurrency: int = 4  # programs validated at once
+    # Wall-clock seconds all of one program's validation episodes may take together (sandbox.call_timeout_s bounds
+    # only each call: 100 turns of slow steps would hold a validator for minutes). Checked after every call, so a
+    # program is stopped within one call of it; loading it is bounded apart, by sandbox.load_timeout_s.
+    time_budget_s: float = 60.0
 
     def check(self) -> None:
         _require(self.reward_min < self.reward_max, "validation.reward_max",
                  f"must be > validation.reward_min ({self.reward_min}), got {self.reward_max}")
-        _positive("validation", self, "max_turns_limit", "random_episodes", "concurrency")
+        _positive("validation", self, "max_turns_limit", "random_episodes", "concurrency", "time_budget_s")
 
 
 @dataclass

@@ -8,7 +8,8 @@ The checks, in order (the first failure decides the reason):
    replayed in the first worker, so no state leaks from one episode into the next);
 4. every step returns the contract types, with a finite reward inside ``[validation.reward_min, reward_max]``;
 5. the episode ends within ``max_turns`` under a random-action policy and under a repeated-action policy;
-6. throughout, every call stays within the sandbox's per-call deadline and output limit;
+6. throughout, every call stays within the sandbox's per-call deadline and output limit, and all the episodes together
+   within ``validation.time_budget_s``;
 7. optionally, a solvability check (a callable, e.g. an LLM playing with the hint) passed in by the caller.
 
 The reason codes are an enum, so metrics can count rejections by cause.
@@ -51,6 +52,7 @@ class Reason(str, Enum):
     EPISODE_TOO_LONG = "episode_too_long"
     PROGRAM_ERROR = "program_error"
     TIMEOUT = "timeout"
+    TIME_BUDGET = "time_budget"
     OUTPUT_LIMIT = "output_limit"
     CRASH = "crash"
     PROTOCOL = "protocol"
@@ -84,6 +86,21 @@ class ValidationReport:
         return {"content_hash": self.content_hash, "ok": self.ok, "reason": self.reason.value if self.reason else None,
                 "detail": self.detail, "output": self.output, "class_name": self.class_name,
                 "max_turns": self.max_turns, "seconds": round(self.seconds, 4), "stats": self.stats}
+
+
+class _Budget:
+    """The wall-clock budget of one program's validation episodes (``validation.time_budget_s``)."""
+
+    def __init__(self, seconds: float, max_turns: int) -> None:
+        self.seconds, self.max_turns = seconds, max_turns
+        self.started = time.monotonic()
+
+    def check(self, phase: str, turn: int) -> None:
+        took = time.monotonic() - self.started
+        if took > self.seconds:
+            raise Rejected(Reason.TIME_BUDGET, f"the validation episodes took {took:.1f} s, over "
+                                               f"validation.time_budget_s ({self.seconds:g} s); stopped at turn {turn} "
+                                               f"of the {phase} episodes (max_turns {self.max_turns})")
 
 
 class Rejected(Exception):
@@ -160,15 +177,16 @@ class Validator:
         if a.max_turns > cfg.max_turns_limit:
             raise Rejected(Reason.BAD_MAX_TURNS, f"{a.class_name}.max_turns is {a.max_turns}, over "
                                                  f"validation.max_turns_limit ({cfg.max_turns_limit})")
+        budget = _Budget(cfg.time_budget_s, a.max_turns)
         probe = [PROBE_ACTIONS[i % len(PROBE_ACTIONS)] for i in range(a.max_turns)]
-        first = self._episodes([(a, cfg.seed), (b, cfg.seed)], lambda k, obs, turn: probe[turn])
+        first = self._episodes([(a, cfg.seed), (b, cfg.seed)], lambda k, obs, turn: probe[turn], budget)
         if first[0][0] != first[1][0]:
             raise Rejected(Reason.NONDETERMINISTIC_RESET, f"reset({cfg.seed}) gave different observations in two "
                                                           f"fresh workers: {_clip(first[0][0])} vs {_clip(first[1][0])}")
         if first[0][1] != first[1][1]:
             raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"the fixed action sequence from seed {cfg.seed} gave "
                                                             "different episodes in two fresh workers")
-        (replay,) = self._episodes([(a, cfg.seed)], lambda k, obs, turn: probe[turn])
+        (replay,) = self._episodes([(a, cfg.seed)], lambda k, obs, turn: probe[turn], budget)
         if replay[:2] != first[0][:2]:
             raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"replaying seed {cfg.seed} in the same worker gave a "
                                                             "different episode: state leaks between episodes")
@@ -177,10 +195,11 @@ class Validator:
         for start in range(0, cfg.random_episodes, 2):
             batch = [(handles[k % 2], cfg.seed + 1 + start + k) for k in range(min(2, cfg.random_episodes - start))]
             for _, _, turns in self._episodes(batch, lambda k, obs, turn: _random_action(rngs[start + k], obs),
-                                              policy_name="random"):
+                                              budget, policy_name="random"):
                 lengths.append(turns)
         repeated = self._episodes([(a, cfg.seed), (b, cfg.seed + 1)],
-                                  lambda k, obs, turn: (PROBE_ACTIONS[0], "")[k], policy_name="repeated-action")
+                                  lambda k, obs, turn: (PROBE_ACTIONS[0], "")[k], budget,
+                                  policy_name="repeated-action")
         report.stats = {"fixed_turns": first[0][2], "random_turns": lengths,
                         "repeated_turns": [turns for _, _, turns in repeated]}
         if self.solvability is not None:
@@ -191,17 +210,19 @@ class Validator:
             if not solvable:
                 raise Rejected(Reason.UNSOLVABLE, detail)
 
-    def _episodes(self, starts: list[tuple[EnvHandle, int]], policy: Callable[[int, str, int], str],
+    def _episodes(self, starts: list[tuple[EnvHandle, int]], policy: Callable[[int, str, int], str], budget: _Budget,
                   policy_name: str = "") -> list[tuple[str, str, int]]:
         """Play one episode per ``(handle, seed)`` concurrently; returns (first observation, digest, turns) each.
 
         With a ``policy`` name the episode must end within max_turns; without one (the fixed probe sequence) it stops
-        after max_turns steps either way.
+        after max_turns steps either way. ``budget`` is checked after every call.
         """
+        phase = policy_name or "fixed-sequence"
         observations = self.pool.reset_many(starts)
         for obs in observations:
             if isinstance(obs, SandboxError):
                 raise Rejected(_reason_of(obs, in_reset=True), f"reset: {obs.detail}", obs.output)
+        budget.check(phase, 0)
         digests = [hashlib.sha256(msgpack.packb(obs)) for obs in observations]
         last = list(observations)
         turns = [0] * len(starts)
@@ -224,6 +245,7 @@ class Validator:
                     continue
                 still.append(k)
             live = still
+            budget.check(phase, max(turns))
         return [(obs, digest.hexdigest(), n) for obs, digest, n in zip(observations, digests, turns)]
 
     def _check_step(self, result: StepResult | SandboxError, turn: int, action: str) -> None:
