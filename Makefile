@@ -40,8 +40,13 @@ sysdeps:
 clean-venv:
 	rm -rf $(VENV)
 
-# Wheels for a GPU machine without a package registry (tools/bench/gpu.sh unpacks what .whl/ holds): the bench's
-# Liger baseline. Pure Python, so one wheel serves any Python version there.
+# Wheels for a GPU machine without a package registry (tools/bench/gpu.sh unpacks what .whl/ holds): the kernels
+# bench's Liger baseline (pure Python) and megatron-core for the train-step bench, built for that machine's Python
+# (DEVICE_PYTHON, 3.12 on the device image) and x86-64 Linux.
+DEVICE_PYTHON ?= 3.12
 device-wheels:
 	mkdir -p .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(DEVICE_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+	  megatron-core==$$(sed -n 's/^megatron-core==//p' $(CONSTRAINTS))

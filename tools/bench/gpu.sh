@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a CUDA machine that has PyTorch and Triton but no package registry (the device
-# machine): the kernel tests compiled on the GPU, the sm_90 compile report of the Triton found there, and
-# `python -m tools.bench kernels`. Results go under $OUT (default ./gpu-out): env.txt, tests.txt, aot.jsonl,
-# kernels.md. Each stage has its own time limit; a failing stage is reported and the next one still runs.
+# machine). Stages, in order (STAGES="tests aot kernels train_step" by default; name fewer to run fewer):
+#   tests       the kernel tests, compiled on the GPU                              -> tests.txt   (limit 240 s)
+#   aot         the sm_90 compile report of the Triton found there                 -> aot.jsonl   (limit 120 s)
+#   kernels     python -m tools.bench kernels [ARGS...]                            -> kernels.md  (limit 420 s)
+#   train_step  python -m tools.bench train_step: GRPO step and MFU (megatron-core) -> train_step.md (limit 300 s)
+# Results go under $OUT (default ./gpu-out), with env.txt. A failing stage is reported; the next one still runs.
 #
-#   here:    make device-wheels        # liger-kernel into .whl/ for the bench's Liger baseline (optional)
-#   there:   bash tools/bench/gpu.sh   # carry .whl; about 5 minutes on an H200
+#   here:    make device-wheels        # liger-kernel (Liger baseline) and megatron-core (train_step) into .whl/
+#   there:   bash tools/bench/gpu.sh   # carry .whl
 #
 # Nothing is installed into the machine's Python: the package is laid out in a scratch tree (kernels/ copied to
 # spade_mega/kernels, as setup.py maps it), carried wheels are unpacked beside it, and everything runs from there
@@ -15,13 +18,15 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$repo/gpu-out}
 py=${PYTHON:-python3}
 tree=${SPADE_GPU_TREE:-/tmp/spade-gpu}
+stages=" ${STAGES:-tests aot kernels train_step} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
 
-stage() {  # stage NAME SECONDS FILE COMMAND...: run, keep its output in $out/FILE, remember a failure
+stage() {  # stage KEY SECONDS FILE COMMAND...: run when KEY is in $stages, keep its output in $out/FILE
   local name=$1 limit=$2 file=$3
   shift 3
+  [[ $stages == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s) -> $file"
   timeout "$limit" "$@" 2>&1 | tee "$out/$file"
   local rc=${PIPESTATUS[0]}
@@ -47,10 +52,16 @@ try:
 except ImportError:
     print("liger-kernel not installed: the bench leaves out its Liger column")'; } 2>&1 | tee "$out/env.txt"
 
-stage "kernel tests, compiled on the GPU" 240 tests.txt \
+stage tests 240 tests.txt \
   "$py" -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py tests/test_kernel_tis_logprob.py \
   tests/test_kernel_grpo_advantage.py tests/test_kernel_grpo_switch.py tests/test_kernel_aot.py
-stage "sm_90 compile report (this machine's triton)" 120 aot.jsonl "$py" -m spade_mega.kernels.aot
-stage "kernels benchmark" 420 kernels.md "$py" -m tools.bench kernels "$@"
+stage aot 120 aot.jsonl "$py" -m spade_mega.kernels.aot
+stage kernels 420 kernels.md "$py" -m tools.bench kernels "$@"
+if "$py" -c "import megatron.core" 2>/dev/null; then
+  stage train_step 300 train_step.md "$py" -m tools.bench train_step --layouts tp1 --steps 3
+elif [[ $stages == *" train_step "* ]]; then
+  echo "== train_step not run: megatron-core does not import here (make device-wheels, then carry .whl)"
+  status=1
+fi
 echo "== done: results in $out (exit $status)"
 exit $status
