@@ -75,6 +75,12 @@ def test_env_validate_reports_each_file_and_exits_1_on_any_rejection(guess_file:
     assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True
 
 
+def test_env_validate_plays_as_far_as_the_rollout_and_says_so(guess_file: Path) -> None:
+    proc = cli("env", "validate", str(guess_file), "-s", "rollout.max_turns=5", *STRICT_TEST_USER)
+    assert proc.returncode == 0, proc.stderr
+    assert "GuessNumber, max_turns 8 (the rollout plays 5)," in proc.stdout.splitlines()[0]
+
+
 def test_env_validate_missing_file_is_one_clear_error() -> None:
     proc = cli("env", "validate", "nowhere.py")
     assert proc.returncode == 2 and proc.stderr.strip() == "spade-mega: error: nowhere.py: no such file"

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
 from spade_mega.config.schema import ValidationConfig
+from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.envs.validate import Reason, ValidationReport, Validator
@@ -20,6 +22,7 @@ from sandbox_support import GUESS_NUMBER, program, strict_pool
 pytestmark = pytest.mark.multiproc
 
 KNOWN_BAD = sorted((Path(__file__).parent / "data" / "known_bad").glob("*.py"))
+ROOT = Path(__file__).resolve().parents[1]
 TEST_BUDGET_S = 3.0  # validation.time_budget_s for the known-bad programs: the others are rejected well within it
 
 
@@ -134,7 +137,7 @@ def test_a_slow_program_is_stopped_at_the_validation_time_budget(known_bad_repor
     assert f"over validation.time_budget_s ({TEST_BUDGET_S:g} s)" in report.detail
     took = float(report.detail.split("took ")[1].split(" s")[0])
     assert TEST_BUDGET_S <= took < report.seconds
-    # 4 rounds of 100 steps of 0.2 s would hold the validator for 80 s; it stops within a step or two of the budget
+    # 4 rounds of 100 steps of 0.5 s would hold the validator for 200 s; it stops within a step of the budget
     assert report.seconds < TEST_BUDGET_S + 5
 
 
@@ -142,3 +145,48 @@ def test_the_time_budget_must_be_positive() -> None:
     ValidationConfig(time_budget_s=0.5).check()
     with pytest.raises(ConfigError, match="validation.time_budget_s"):
         ValidationConfig(time_budget_s=0).check()
+
+
+def marathon(ends: bool) -> str:
+    """A 40-turn program that ends at its max_turns (``ends``) or never."""
+    return textwrap.dedent(f"""
+        class Marathon:
+            max_turns = 40
+
+            def reset(self, seed):
+                self.turn = 0
+                return "Run."
+
+            def step(self, action):
+                self.turn += 1
+                return f"Lap {{self.turn}}.", 0.0, False, {ends} and self.turn >= 40, {{}}
+    """)
+
+
+def test_validation_plays_the_turns_the_rollout_plays(pool: SandboxPool) -> None:
+    # The rollout truncates every episode at rollout.max_turns; a program may declare more (up to max_turns_limit).
+    validator = Validator(pool, rollout_turns=25)
+    report = validator.validate(program(marathon(ends=True)))
+    assert report.ok, report.detail
+    assert (report.max_turns, report.horizon) == (40, 25) and report.to_dict()["horizon"] == 25
+    assert report.stats["fixed_turns"] == 25 and report.stats["random_turns"] == [25, 25]
+    # Turns past the horizon never run in training, so only a standalone validation requires the end by max_turns.
+    assert validator.validate(program(marathon(ends=False))).ok
+    standalone = Validator(pool).validate(program(marathon(ends=False)))
+    assert standalone.reason == Reason.EPISODE_TOO_LONG and standalone.horizon == 40
+    short = Validator(pool, rollout_turns=25).validate(program(GUESS_NUMBER))
+    assert short.ok and (short.max_turns, short.horizon) == (8, 8)
+    with pytest.raises(ValueError, match="rollout_turns"):
+        Validator(pool, rollout_turns=0)
+
+
+def test_the_long_library_programs_validate_under_the_reference_config(pool: SandboxPool) -> None:
+    cfg = load_config(ROOT / "examples" / "configs" / "qwen3_30b_a3b_games.yaml")
+    programs = [e.program(level=level) for e in library.entries() for level in (0.0, None, 1.0)]
+    names = [f"{p.provenance['name']}@{p.provenance['difficulty']}" for p in programs]
+    long = [(n, p) for n, p in zip(names, programs) if n.split("@")[0] in
+            {"grid_maze", "fog_maze", "box_push", "heading_maze", "log_audit", "bank_transfer"}]
+    reports = Validator(pool, cfg.validation, rollout_turns=cfg.rollout.max_turns).validate_many([p for _, p in long])
+    assert [(n, r.reason, r.detail) for (n, _), r in zip(long, reports) if not r.ok] == []
+    assert max(r.max_turns for r in reports) == 66  # fog_maze at its hardest: its episodes are cut at 25 turns
+    assert all(r.horizon == min(r.max_turns, cfg.rollout.max_turns) for r in reports)

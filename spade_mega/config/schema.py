@@ -122,7 +122,7 @@ class RolloutConfig:
     max_response_tokens: int = 8192
     max_designer_tokens: int = 16384
     max_context_tokens: int = 32768
-    max_turns: int = 25
+    max_turns: int = 25  # steps of an episode the agent plays; a program may declare more, its episodes end here
     envs_per_rollout: int = 24
     agent_trajectories_per_env: int = 16
     hint_plays_per_env: int = 16
@@ -418,8 +418,9 @@ class ValidationConfig:
     concurrency: int = 4  # programs validated at once
     # Wall-clock seconds all of one program's validation episodes may take together (sandbox.call_timeout_s bounds
     # only each call: 100 turns of slow steps would hold a validator for minutes). Checked after every call, so a
-    # program is stopped within one call of it; loading it is bounded apart, by sandbox.load_timeout_s.
-    time_budget_s: float = 60.0
+    # program is stopped within one call of it; loading it is bounded apart, by sandbox.load_timeout_s. 30 s is six
+    # call deadlines; each library program validates in about a second at most, worker start-up included.
+    time_budget_s: float = 30.0
 
     def check(self) -> None:
         _require(self.reward_min < self.reward_max, "validation.reward_max",

@@ -24,7 +24,8 @@ REJECTED = 1
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hint", default="", help="the privileged hint travelling with the program")
     parser.add_argument("--skill", default="", help="the program's skill tag")
-    parser.add_argument("--config", "-c", metavar="FILE", help="YAML config (its sandbox and validation sections)")
+    parser.add_argument("--config", "-c", metavar="FILE",
+                        help="YAML config (its sandbox and validation sections, and rollout.max_turns)")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="dotted config override, repeatable: -s sandbox.call_timeout_s=2")
 
@@ -52,13 +53,15 @@ def _validate(args: argparse.Namespace) -> int:
     programs = [_read_program(path, args) for path in args.files]
     with SandboxPool(cfg.sandbox) as pool, Progress(transient=True, console=_stderr_console()) as progress:
         task = progress.add_task("validating", total=len(programs))
-        reports = Validator(pool, cfg.validation).validate_many(programs, lambda _: progress.advance(task))
+        validator = Validator(pool, cfg.validation, rollout_turns=cfg.rollout.max_turns)
+        reports = validator.validate_many(programs, lambda _: progress.advance(task))
     width = max(len(path) for path in args.files)
     for path, report in zip(args.files, reports):
         if args.json:
             print(json.dumps({"file": path, **report.to_dict()}))
         elif report.ok:
-            print(f"ok        {path:<{width}}  {report.class_name}, max_turns {report.max_turns}, "
+            cut = f" (the rollout plays {report.horizon})" if report.horizon < report.max_turns else ""
+            print(f"ok        {path:<{width}}  {report.class_name}, max_turns {report.max_turns}{cut}, "
                   f"{report.seconds:.2f} s")
         else:
             assert report.reason is not None

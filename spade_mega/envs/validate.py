@@ -12,6 +12,12 @@ The checks, in order (the first failure decides the reason):
    within ``validation.time_budget_s``;
 7. optionally, a solvability check (a callable, e.g. an LLM playing with the hint) passed in by the caller.
 
+Episodes are played as far as training plays them: given the rollout's turn limit (``rollout.max_turns``), the
+validator plays ``min(max_turns, rollout_turns)`` turns, the *horizon*. A program may declare more turns than the
+rollout plays (up to ``validation.max_turns_limit``; the library's mazes do, as generous move budgets): the rollout
+truncates its episodes at the horizon, so checks 3 to 6 cover exactly the turns training will run, and check 5 applies
+only when the program's own ``max_turns`` is within it. Without ``rollout_turns`` the horizon is ``max_turns``.
+
 The reason codes are an enum, so metrics can count rejections by cause.
 """
 
@@ -75,6 +81,7 @@ class ValidationReport:
     output: str = ""  # what the program printed in the failing call (capped)
     class_name: str = ""
     max_turns: int = 0
+    horizon: int = 0  # turns an episode lasts at most in training: min(max_turns, the rollout's max_turns)
     seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -85,14 +92,15 @@ class ValidationReport:
     def to_dict(self) -> dict[str, Any]:
         return {"content_hash": self.content_hash, "ok": self.ok, "reason": self.reason.value if self.reason else None,
                 "detail": self.detail, "output": self.output, "class_name": self.class_name,
-                "max_turns": self.max_turns, "seconds": round(self.seconds, 4), "stats": self.stats}
+                "max_turns": self.max_turns, "horizon": self.horizon, "seconds": round(self.seconds, 4),
+                "stats": self.stats}
 
 
 class _Budget:
     """The wall-clock budget of one program's validation episodes (``validation.time_budget_s``)."""
 
-    def __init__(self, seconds: float, max_turns: int) -> None:
-        self.seconds, self.max_turns = seconds, max_turns
+    def __init__(self, seconds: float, horizon: int) -> None:
+        self.seconds, self.horizon = seconds, horizon
         self.started = time.monotonic()
 
     def check(self, phase: str, turn: int) -> None:
@@ -100,7 +108,7 @@ class _Budget:
         if took > self.seconds:
             raise Rejected(Reason.TIME_BUDGET, f"the validation episodes took {took:.1f} s, over "
                                                f"validation.time_budget_s ({self.seconds:g} s); stopped at turn {turn} "
-                                               f"of the {phase} episodes (max_turns {self.max_turns})")
+                                               f"of the {phase} episodes, of up to {self.horizon} turns each")
 
 
 class Rejected(Exception):
@@ -127,11 +135,15 @@ def _reason_of(error: SandboxError, in_reset: bool) -> Reason:
 
 
 class Validator:
-    """Validates programs in ``pool``'s workers. ``solvability`` is the optional last check."""
+    """Validates programs in ``pool``'s workers. ``solvability`` is the optional last check; ``rollout_turns`` is the
+    rollout's turn limit (``rollout.max_turns``), past which training never plays an episode."""
 
     def __init__(self, pool: SandboxPool, cfg: ValidationConfig | None = None,
-                 solvability: SolvabilityCheck | None = None) -> None:
+                 solvability: SolvabilityCheck | None = None, rollout_turns: int | None = None) -> None:
+        if rollout_turns is not None and not (type(rollout_turns) is int and rollout_turns >= 1):
+            raise ValueError(f"rollout_turns must be an int >= 1 (rollout.max_turns), got {rollout_turns!r}")
         self.pool = pool
+        self.rollout_turns = rollout_turns
         self.cfg = cfg or ValidationConfig()
         self.cfg.check()
         self.solvability = solvability
@@ -177,16 +189,17 @@ class Validator:
         if a.max_turns > cfg.max_turns_limit:
             raise Rejected(Reason.BAD_MAX_TURNS, f"{a.class_name}.max_turns is {a.max_turns}, over "
                                                  f"validation.max_turns_limit ({cfg.max_turns_limit})")
-        budget = _Budget(cfg.time_budget_s, a.max_turns)
-        probe = [PROBE_ACTIONS[i % len(PROBE_ACTIONS)] for i in range(a.max_turns)]
-        first = self._episodes([(a, cfg.seed), (b, cfg.seed)], lambda k, obs, turn: probe[turn], budget)
+        horizon = report.horizon = min(a.max_turns, self.rollout_turns or a.max_turns)
+        budget = _Budget(cfg.time_budget_s, horizon)
+        probe = [PROBE_ACTIONS[i % len(PROBE_ACTIONS)] for i in range(horizon)]
+        first = self._episodes([(a, cfg.seed), (b, cfg.seed)], lambda k, obs, turn: probe[turn], horizon, budget)
         if first[0][0] != first[1][0]:
             raise Rejected(Reason.NONDETERMINISTIC_RESET, f"reset({cfg.seed}) gave different observations in two "
                                                           f"fresh workers: {_clip(first[0][0])} vs {_clip(first[1][0])}")
         if first[0][1] != first[1][1]:
             raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"the fixed action sequence from seed {cfg.seed} gave "
                                                             "different episodes in two fresh workers")
-        (replay,) = self._episodes([(a, cfg.seed)], lambda k, obs, turn: probe[turn], budget)
+        (replay,) = self._episodes([(a, cfg.seed)], lambda k, obs, turn: probe[turn], horizon, budget)
         if replay[:2] != first[0][:2]:
             raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"replaying seed {cfg.seed} in the same worker gave a "
                                                             "different episode: state leaks between episodes")
@@ -195,10 +208,10 @@ class Validator:
         for start in range(0, cfg.random_episodes, 2):
             batch = [(handles[k % 2], cfg.seed + 1 + start + k) for k in range(min(2, cfg.random_episodes - start))]
             for _, _, turns in self._episodes(batch, lambda k, obs, turn: _random_action(rngs[start + k], obs),
-                                              budget, policy_name="random"):
+                                              horizon, budget, policy_name="random"):
                 lengths.append(turns)
         repeated = self._episodes([(a, cfg.seed), (b, cfg.seed + 1)],
-                                  lambda k, obs, turn: (PROBE_ACTIONS[0], "")[k], budget,
+                                  lambda k, obs, turn: (PROBE_ACTIONS[0], "")[k], horizon, budget,
                                   policy_name="repeated-action")
         report.stats = {"fixed_turns": first[0][2], "random_turns": lengths,
                         "repeated_turns": [turns for _, _, turns in repeated]}
@@ -210,12 +223,14 @@ class Validator:
             if not solvable:
                 raise Rejected(Reason.UNSOLVABLE, detail)
 
-    def _episodes(self, starts: list[tuple[EnvHandle, int]], policy: Callable[[int, str, int], str], budget: _Budget,
-                  policy_name: str = "") -> list[tuple[str, str, int]]:
-        """Play one episode per ``(handle, seed)`` concurrently; returns (first observation, digest, turns) each.
+    def _episodes(self, starts: list[tuple[EnvHandle, int]], policy: Callable[[int, str, int], str], horizon: int,
+                  budget: _Budget, policy_name: str = "") -> list[tuple[str, str, int]]:
+        """Play one episode per ``(handle, seed)`` concurrently, for at most ``horizon`` turns; returns (first
+        observation, digest, turns) each.
 
-        With a ``policy`` name the episode must end within max_turns; without one (the fixed probe sequence) it stops
-        after max_turns steps either way. ``budget`` is checked after every call.
+        With a ``policy`` name the episode must end within max_turns when that is the horizon; without one (the fixed
+        probe sequence), or when the rollout truncates first, it stops at the horizon either way. ``budget`` is
+        checked after every call.
         """
         phase = policy_name or "fixed-sequence"
         observations = self.pool.reset_many(starts)
@@ -238,8 +253,8 @@ class Validator:
                 last[k] = result.observation
                 if result.terminated or result.truncated:
                     continue
-                if turns[k] >= handle.max_turns:
-                    if policy_name:
+                if turns[k] >= horizon:
+                    if policy_name and horizon == handle.max_turns:
                         raise Rejected(Reason.EPISODE_TOO_LONG, f"under a {policy_name} policy the episode did not "
                                                                 f"end within max_turns ({handle.max_turns})")
                     continue
