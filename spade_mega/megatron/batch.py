@@ -10,7 +10,8 @@ into rows of at most ``token_budget`` tokens. A row holds whole samples back to 
 boundary (a block-diagonal causal mask on the local spec, ``cu_seqlens`` for Transformer Engine). Every data-parallel
 rank runs the same number of micro-batches (expert-parallel all-to-alls span data-parallel ranks); ranks with fewer
 get empty ones. Row lengths are padded to what sequence / context parallelism need; pipeline stages exchange each
-micro-batch's shape, except under the interleaved (virtual-stage) schedule, whose rows all get one length.
+micro-batch's shape, except under the interleaved (virtual-stage) schedule, whose rows all get one length. Padding
+is marked (``sample_ids == -1``, :attr:`MicroBatch.padding_mask`) so that the MoE routers count real tokens only.
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ class MicroBatch:
     @property
     def length(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def padding_mask(self) -> torch.Tensor:
+        """[1, L] bool, True on padding: Megatron's MoE routers leave these positions out of the load-balancing
+        loss (which the loss mask does not reach)."""
+        return self.sample_ids < 0
 
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, L, L] bool, True = masked: causal inside each segment, nothing across segments."""

@@ -1,4 +1,5 @@
-"""CPU compatibility for megatron-core: the few patches that let it train on a CPU-only torch over gloo.
+"""CPU compatibility for megatron-core: the few patches that let it train on a CPU-only torch over gloo (and the
+fixes of upstream bugs that it needs on every device, ``FIXES``).
 
 Megatron-Core is written for CUDA: it hard-codes ``device="cuda"``, CUDA streams and RNG states, CUDA tensor type
 names, and collectives that NCCL supports but gloo does not. On a machine without CUDA (laptops, CI) these patches
@@ -6,7 +7,8 @@ make the *same* Megatron code paths run on the host, so the CPU tests exercise r
 
 Rules:
 
-- Nothing is patched when CUDA is available (:func:`install` returns at once): GPU runs use megatron-core untouched.
+- No shim is applied when CUDA is available: GPU runs use megatron-core's device code untouched. The exception is
+  ``FIXES``: upstream bugs that are not about the device (a NaN load-balancing loss), patched everywhere.
 - Each shim probes for the upstream condition it works around and is applied only when that condition is present;
   the probe's evidence is kept (:func:`installed`). A version of megatron-core that no longer has the condition
   simply skips the shim, so version-specific code stays here and nowhere else (0.16.1, what a plain install on
@@ -521,6 +523,54 @@ def _apply_paged_stash() -> None:
     sys.modules[_PAGED_STASH] = stand_in
 
 
+# --- Upstream fixes (every device) ---------------------------------------------------------------------------------
+# Not CPU shims: bugs of megatron-core itself, patched with CUDA too, with the same probe pattern.
+#
+# aux_loss_all_padding. Upstream: with a padding_mask the routers count a micro-batch's tokens as the routed real
+# tokens (moe_utils.get_tokens_per_expert_and_token_count: routing-map sum / topk) and divide the load-balancing loss
+# by that count squared. A micro-batch that is all padding (the trainer's empty micro-batches, which keep
+# data-parallel ranks in step) has 0 tokens: the loss is 0 * inf = NaN, and so are the router gradients (the
+# optimizer then skips the step). The z-loss of the same function family clamps its count to >= 1; clamp this one the
+# same way, so that a micro-batch without real tokens adds a zero loss and zero gradients.
+
+def _probe_aux_loss_all_padding() -> Optional[str]:
+    from megatron.core.transformer.moe import moe_utils
+
+    count = getattr(moe_utils, "get_tokens_per_expert_and_token_count", None)
+    if count is None:  # a version without padding_mask support: nothing to fix
+        return None
+    counts_routed = "global_tokens_per_expert.sum() / topk" in inspect.getsource(count)
+    empty = torch.zeros(2, 4)
+    loss = moe_utils.switch_load_balancing_loss_func(empty, empty.sum(0), torch.tensor(0.0), topk=1, num_experts=4,
+                                                     moe_aux_loss_coeff=1.0)
+    if counts_routed and not bool(torch.isfinite(loss)):
+        return "get_tokens_per_expert_and_token_count counts an all-padding micro-batch as 0 tokens, and the " \
+               f"load-balancing loss of 0 tokens is {float(loss)}"
+    return None
+
+
+def _apply_aux_loss_all_padding() -> None:
+    from megatron.core.transformer.moe import moe_utils, router
+
+    count = moe_utils.get_tokens_per_expert_and_token_count
+
+    def clamped_count(routing_map: torch.Tensor, reduce_group: Any, topk: Optional[int] = None,
+                      with_padding_mask: bool = False) -> Any:
+        per_expert, local, total = count(routing_map, reduce_group, topk=topk, with_padding_mask=with_padding_mask)
+        if with_padding_mask:
+            total = torch.clamp(total, min=1.0)
+        return per_expert, local, total
+
+    moe_utils.get_tokens_per_expert_and_token_count = clamped_count
+    router.get_tokens_per_expert_and_token_count = clamped_count  # imported by name there
+
+
+FIXES: tuple[Shim, ...] = (
+    Shim("aux_loss_all_padding", "load-balancing loss of an all-padding micro-batch is NaN",
+         _probe_aux_loss_all_padding, _apply_aux_loss_all_padding),
+)
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim("paged_stash", "schedules import a triton-only MoE kernel module", _probe_paged_stash, _apply_paged_stash),
     Shim("cuda_runtime", "torch.cuda device/stream/event/synchronize calls", _probe_cuda_runtime,
@@ -542,23 +592,22 @@ SHIMS: tuple[Shim, ...] = (
 
 
 def install() -> dict[str, str]:
-    """Apply the shims whose upstream condition is present (once; nothing with CUDA). Returns name -> evidence."""
+    """Apply the shims (without CUDA) and fixes whose upstream condition is present, once. Returns name -> evidence."""
     global _installed
     if _installed is not None:
         return dict(_installed)
     applied: dict[str, str] = {}
-    if not torch.cuda.is_available():
-        for shim in SHIMS:
-            evidence = shim.probe()
-            if evidence:
-                shim.apply()
-                applied[shim.name] = evidence
+    for shim in (SHIMS if not torch.cuda.is_available() else ()) + FIXES:
+        evidence = shim.probe()
+        if evidence:
+            shim.apply()
+            applied[shim.name] = evidence
     _installed = applied
     return dict(applied)
 
 
 def installed() -> dict[str, str]:
-    """The shims applied by :func:`install` (empty before it ran, or with CUDA), with the evidence for each."""
+    """The shims and fixes applied by :func:`install` (empty before it ran), with the evidence for each."""
     return dict(_installed or {})
 
 

@@ -10,7 +10,9 @@ Normalisation: the loss of the whole global batch is ``sum(token losses) / N`` w
 :func:`spade_mega.rl.loss.loss_normalizer` (every rank computes it from the batch it was given). Each micro-batch
 contributes its share; Megatron divides each micro-batch loss by the micro-batch count and DDP averages over
 data-parallel ranks, so shares are multiplied by both, and the summed gradients are those of the full-batch loss
-whatever the layout. The MoE load-balancing loss is added by Megatron's routers with the same averaging.
+whatever the layout. The MoE load-balancing loss is added by Megatron's routers with the same averaging, over the
+real tokens of each micro-batch: padding is given to the model as its ``padding_mask`` (an all-padding micro-batch
+adds nothing).
 """
 
 from __future__ import annotations
@@ -132,14 +134,27 @@ class Trainer:
                 raise BatchError(f"sample {s.index}: token id {int(s.tokens.max())} is outside the vocabulary "
                                  f"(model.vocab_size = {vocab})")
 
-    def _model_inputs(self, mb: MicroBatch) -> dict[str, Any]:
+    def _model_inputs(self, mb: MicroBatch, chunk: Any) -> dict[str, Any]:
         device = self.backend.device
         inputs: dict[str, Any] = dict(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device))
         if self.backend.te:
             inputs.update(attention_mask=None, packed_seq_params=mb.packed_seq_params(device))
         else:
             inputs.update(attention_mask=mb.attention_mask().to(device))
+        if self.model_cfg.num_experts:
+            inputs.update(padding_mask=self._padding_mask(mb, chunk).to(device))
         return inputs
+
+    def _padding_mask(self, mb: MicroBatch, chunk: Any) -> torch.Tensor:
+        """The row's padding for GPTModel's ``padding_mask``: the routers leave it out of the load-balancing loss.
+        GPTModel cuts the mask to this rank's sequence-parallel slice only on the stage that embeds the tokens; a
+        later stage receives hidden states already cut, so it is given its slice."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        padding = mb.padding_mask
+        if self.layout.sequence_parallel and not get_attr_wrapped_model(chunk, "pre_process"):
+            padding = padding.chunk(self.layout.tensor, dim=1)[self._ps.get_tensor_model_parallel_rank()]
+        return padding
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_fn: Callable[[MicroBatch, torch.Tensor], Any],
                       forward_only: bool) -> None:
@@ -150,7 +165,7 @@ class Trainer:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator)
-            return model(**self._model_inputs(mb)), partial(loss_fn, mb)
+            return model(**self._model_inputs(mb, model)), partial(loss_fn, mb)
 
         iterators: Any = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iterators, model=self.model,

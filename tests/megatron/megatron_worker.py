@@ -10,6 +10,7 @@
   killsave   one process: a complete checkpoint, then a second save that the test kills
   compat     which CPU shims install, and their patched behaviours (JSON on stdout)
   single     one process: packing and loss normalisation invariances
+  padding    any layout: the MoE load-balancing loss and gradients of a padded row against the unpadded row
   qwen3_30b  the Qwen3-30B-A3B TransformerConfig and parameter counts on the meta device (JSON on stdout)
 """
 
@@ -267,6 +268,57 @@ def scenario_single(args) -> None:
     write_json(args.out / "single.json", result)
 
 
+def scenario_padding(args) -> None:
+    """Any layout, the same micro-batches on every rank: two samples (12 tokens) in a row of their own length, in a
+    row of 24 (half padding; under TP2+SP one rank's slice is all padding), the latter again with its padding
+    unmarked (what the routers saw before padding_mask), and an all-padding row. Each gets one forward-backward at the
+    initial weights with a loss on the real positions' logits; recorded: the load-balancing loss and this rank's
+    gradients (router weights, all parameters), compared with the unpadded row as relative errors (max over ranks)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from spade_mega.megatron import TrainSample, compat
+    from spade_mega.megatron.batch import pack, samples_from
+
+    trainer = trainer_for(args)
+    g = torch.Generator().manual_seed(7)
+    batch = samples_from([TrainSample(torch.randint(0, VOCAB, (n,), generator=g), torch.arange(n) > 1, torch.zeros(n))
+                          for n in (7, 5)])
+    padded = pack(batch, token_budget=24, length_multiple=24).micro_batches[0][0]
+    rows = {"plain": pack(batch, token_budget=12).micro_batches[0][0], "padded": padded,
+            "unmarked": dataclasses.replace(padded, sample_ids=padded.sample_ids.clamp(min=0)),
+            "empty": pack(batch, token_budget=12, data_parallel=3, length_multiple=2).micro_batches[2][0]}
+
+    def loss_fn(mb, logits):
+        weight = mb.loss_mask.to(logits.device, logits.dtype)[..., None]
+        return (logits.float().square() * weight).sum() / 100, {}
+
+    aux, grads = {}, {}
+    for name, mb in rows.items():
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        trainer._run_schedule([mb], loss_fn, forward_only=False)
+        aux[name] = compat.moe_load_balancing_loss(trainer.model_cfg.num_layers, 1)
+        grads[name] = {f"{i}.{n}": p.main_grad.detach().clone() for i, chunk in enumerate(trainer.model)
+                       for n, p in chunk.named_parameters()}
+
+    def flat(name, router):
+        return torch.cat([v.reshape(-1) for k, v in grads[name].items() if "router." in k or not router])
+
+    def err(name, router):
+        return float((flat(name, router) - flat("plain", router)).norm() / flat("plain", router).norm())
+
+    empty = flat("empty", False)
+    stats = torch.tensor([err("padded", True), err("padded", False), err("unmarked", True), float(empty.abs().max()),
+                          float(not torch.isfinite(empty).all())], dtype=torch.float64)
+    stats = torch.nan_to_num(stats, nan=math.inf)  # a maximum over ranks may drop NaN
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    keys = ("router_grad_err", "grad_err", "unmarked_router_grad_err", "empty_grad_max", "empty_grad_not_finite")
+    write_json(args.out / f"{args.tag}.json", {"aux": aux, **dict(zip(keys, stats.tolist()))})
+
+
 def scenario_qwen3_30b(args) -> None:
     """The exact Qwen3-30B-A3B TransformerConfig from its config.json, and the parameters of a 2-layer slice of it
     built on the meta device (all 48 layers are identical; building 6144 expert modules would only cost time)."""
@@ -303,7 +355,7 @@ def scenario_qwen3_30b(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "compat", "single",
-                                             "qwen3_30b"])
+                                             "padding", "qwen3_30b"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")
@@ -312,8 +364,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-triton", action="store_true")
     parser.add_argument("--hf-config")
-    parser.add_argument("--equal-lengths", action="store_true",
-                        help="samples of 16 tokens only (layouts that pad rows to one length: no padding at all)")
     parser.add_argument("--num-samples", type=int, default=None,
                         help="only the first N samples of each batch (an odd count leaves a data-parallel rank short)")
     parser.add_argument("overrides", nargs="*")
@@ -323,8 +373,6 @@ def main() -> None:
 
     torch.set_num_threads(1)
     global LENGTHS
-    if args.equal_lengths:
-        LENGTHS = (16,) * len(LENGTHS)
     if args.num_samples is not None:
         LENGTHS = LENGTHS[:args.num_samples]
     globals()[f"scenario_{args.scenario}"](args)

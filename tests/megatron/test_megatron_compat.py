@@ -53,14 +53,21 @@ def test_paged_stash_shim_is_needed_without_triton(installed_without_triton: dic
     applied = installed_without_triton["applied"]
     assert "paged_stash" in applied, "megatron-core's schedules no longer import triton: delete the paged_stash shim"
     assert installed_without_triton["checks"]["paged_stash"], "the stand-in kernels must refuse to run"
-    assert set(applied) == {s.name for s in compat.SHIMS}
+    assert set(applied) == {s.name for s in compat.SHIMS + compat.FIXES}
+
+
+@pytest.mark.parametrize("fix", [s.name for s in compat.FIXES])
+def test_every_upstream_fix_is_still_needed(installed: dict, fix: str) -> None:
+    assert fix in installed["applied"], (
+        f"fix '{fix}' found no upstream bug in megatron-core {installed['version']}: the upgrade fixed it; delete the "
+        "fix (see docs/megatron.md)")
 
 
 @pytest.mark.parametrize("shim", ["rng_tracker", "cuda_runtime", "device_literals", "type_names", "torch_norm_sp",
                                   "alltoall_splits"])
 def test_patched_behaviour_is_right(installed: dict, shim: str) -> None:
     # torch_adam and uneven_collectives are checked end to end: resumed runs (Adam's step) and TP2xEP2 numerics in
-    # test_megatron_parallel.py
+    # test_megatron_parallel.py; the aux_loss_all_padding fix by an all-padding micro-batch in test_megatron_padding.py
     assert installed["checks"][shim], f"shim '{shim}' no longer gives the behaviour it promises"
 
 

@@ -16,7 +16,7 @@ from megatron_launch import worker_command, worker_env
 
 from spade_mega.config import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig
-from spade_mega.megatron import model_config_from_hf, parameter_count, resolve_layout, resolve_model_config
+from spade_mega.megatron import compat, model_config_from_hf, parameter_count, resolve_layout, resolve_model_config
 from spade_mega.megatron.providers import BackendError, select_backend
 
 QWEN3_30B = Path(__file__).resolve().parents[2] / "examples/hf/qwen3_30b_a3b/config.json"
@@ -231,9 +231,10 @@ def test_srun_tasks_without_a_rendezvous_are_refused() -> None:
 
 
 def test_nothing_is_patched_when_cuda_is_present() -> None:
-    """GPU runs use megatron-core untouched: with CUDA available install() applies no shim, and the torch.cuda
-    runtime, Tensor.type and megatron-core's modules are exactly what they were. (Here, not in
-    test_megatron_compat.py, whose tests run only without CUDA.)"""
+    """GPU runs use megatron-core's device code untouched: with CUDA available install() applies no shim (only the
+    fixes of upstream bugs that are not about the device, compat.FIXES), and the torch.cuda runtime, Tensor.type and
+    megatron-core's modules are exactly what they were. (Here, not in test_megatron_compat.py, whose tests run only
+    without CUDA.)"""
     code = textwrap.dedent("""
         import json, sys, torch
         torch.cuda.is_available = lambda: True
@@ -250,7 +251,9 @@ def test_nothing_is_patched_when_cuda_is_present() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=worker_env())
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"applied": {}, "installed": {}, "changed": []}
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(got["applied"]) == set(got["installed"]) == {fix.name for fix in compat.FIXES}, got["applied"]
+    assert got["changed"] == []
 
 
 def test_gpu_without_transformer_engine_names_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
