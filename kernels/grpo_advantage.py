@@ -25,7 +25,8 @@ from spade_mega.kernels.dispatch import launch, use_kernel
 from spade_mega.rl.advantages import DESIGNER, check_rewards, grpo_advantages, token_advantages
 
 BLOCK_S = 128  # samples per step of a segment's statistics loops; SPADE groups hold 16
-BLOCK_W = 8  # samples per step of the write loop: an [8, 128] token tile is 8 values a thread (72 registers)
+BLOCK_W = 8  # samples per step of the write loop with a token broadcast: an [8, 128] tile is 8 values a thread
+# (72 registers); without one the write loop steps BLOCK_S samples at a time
 BLOCK_L = 128  # tokens per step when broadcasting to [samples, tokens]
 
 
@@ -179,7 +180,8 @@ class GrpoAdvantageFunction(torch.autograd.Function):
             launch("grpo_advantage.forward", _grpo_advantage_kernel, (n_segments,), rewards, roles, segments.order,
                    segments.offsets, params, out, loss_mask, tokens, 0 if loss_mask is None else loss_mask.shape[1],
                    0 if loss_mask is None else loss_mask.stride(0), 0 if tokens is None else tokens.stride(0),
-                   STD_NORMALIZE=std_normalize, BLOCK=BLOCK_S, BLOCK_W=BLOCK_W, BLOCK_L=BLOCK_L, num_warps=4)
+                   STD_NORMALIZE=std_normalize, BLOCK=BLOCK_S, BLOCK_W=BLOCK_S if loss_mask is None else BLOCK_W,
+                   BLOCK_L=BLOCK_L, num_warps=4)
         ctx.save_for_backward(rewards, roles, segments.order, segments.offsets, params, loss_mask)
         ctx.std_normalize = std_normalize
         if tokens is None:
@@ -245,13 +247,16 @@ def aot_specs() -> list:
 
     common = {"rewards_ptr": "*fp32:16", "roles_ptr": "*i64:16", "order_ptr": "*i64:16", "offsets_ptr": "*i64:16",
               "params_ptr": "*fp64:16"}
+    forward = {**common, "out_ptr": "*fp32:16", "mask_ptr": "*i1:16", "tokens_out_ptr": "*fp32:16", "n_cols": "i32",
+               "mask_stride": "i32", "tokens_stride": "i32", "STD_NORMALIZE": "constexpr", "BLOCK": "constexpr",
+               "BLOCK_W": "constexpr", "BLOCK_L": "constexpr"}
     return [
-        AotSpec("grpo_advantage.forward", _grpo_advantage_kernel,
-                {**common, "out_ptr": "*fp32:16", "mask_ptr": "*i1:16", "tokens_out_ptr": "*fp32:16",
-                 "n_cols": "i32", "mask_stride": "i32", "tokens_stride": "i32", "STD_NORMALIZE": "constexpr",
-                 "BLOCK": "constexpr", "BLOCK_W": "constexpr", "BLOCK_L": "constexpr"},
+        AotSpec("grpo_advantage.forward", _grpo_advantage_kernel, forward,
                 {"STD_NORMALIZE": True, "BLOCK": BLOCK_S, "BLOCK_W": BLOCK_W, "BLOCK_L": BLOCK_L}, 4,
                 f"BLOCK={BLOCK_S}, token tile {BLOCK_W}x{BLOCK_L}"),
+        AotSpec("grpo_advantage.forward_samples", _grpo_advantage_kernel, forward,
+                {"STD_NORMALIZE": True, "BLOCK": BLOCK_S, "BLOCK_W": BLOCK_S, "BLOCK_L": BLOCK_L,
+                 "mask_ptr": None, "tokens_out_ptr": None}, 4, f"BLOCK={BLOCK_S}, no token broadcast"),
         AotSpec("grpo_advantage.backward", _grpo_advantage_grad_kernel,
                 {**common, "grad_out_ptr": "*fp64:16", "grad_in_ptr": "*fp32:16", "STD_NORMALIZE": "constexpr",
                  "BLOCK": "constexpr"},

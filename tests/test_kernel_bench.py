@@ -23,3 +23,22 @@ def test_kernels_bench_on_cpu_checks_correctness_only() -> None:
     assert "FAIL" not in out and "GB/s" not in out
     assert "tis_logprob.logits_grad" in out and "grpo_advantage.forward" in out  # the kernels themselves ran
     assert "ok   tis_logprob loss (no TIS) vs Liger's triton_grpo_loss" in out  # the GPU table's Liger baseline
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_code_runs_on_cpu_at_toy_shapes() -> None:
+    """--cpu-dry-run: the timing code itself (inputs, baselines, Liger's call, graph replay switch, table) runs end to
+    end, so a GPU session does not spend its device time finding a wiring bug. No time is asserted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "kernels", "--cpu-dry-run", "--tokens", "16",
+                           "--vocab", "1000", "--samples", "4096", "--copy-bytes", "1048576"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "OOM/failed" not in out and "failed:" not in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| op")]
+    ops = {line.split(" | ")[0].lstrip("| ").split("; loss differs")[0] for line in rows}
+    assert ops == {"tis_logprob fwd+bwd (TIS)", "tis_logprob fwd+bwd (no TIS", "logprob+entropy fwd",
+                   "grpo_advantage (end to end)",
+                   "grpo_advantage (kernel alone, graph replay)"}, ops
+    assert "16 x 1000: loss" in out  # the agreement line before the timings
