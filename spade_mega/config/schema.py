@@ -49,6 +49,10 @@ class ModelConfig:
     qk_layernorm: bool = True
     tie_embeddings: bool = False
     params_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Megatron's layer modules: Transformer Engine (fused kernels, grouped-GEMM experts, packed sequences) or its
+    # plain-torch "local" ones. auto: Transformer Engine on a GPU (required there unless local is asked for), local
+    # on CPU. local on a GPU trains without Transformer Engine, slower (unfused attention with a mask per row).
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
 
     def check(self) -> None:
         _positive("model", self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

@@ -63,18 +63,31 @@ class Backend:
     def te(self) -> bool:
         return self.name == "transformer_engine"
 
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
-def select_backend() -> Backend:
-    """Transformer Engine specs on a CUDA machine (required there), Megatron's local specs on CPU."""
+
+def select_backend(transformer_impl: str = "auto") -> Backend:
+    """Layer modules and device from ``model.transformer_impl``: on a CUDA machine Transformer Engine (``auto``,
+    ``transformer_engine``) or Megatron's local torch modules (``local``); on CPU the local ones, the only kind
+    that runs there."""
     if not torch.cuda.is_available():
+        if transformer_impl == "transformer_engine":
+            raise BackendError("model.transformer_impl is transformer_engine, but there is no CUDA GPU (Transformer "
+                               "Engine runs only on one); use auto or local on this machine")
         return Backend("local", torch.device("cpu"))
+    cuda = torch.device("cuda")  # the current device, set per rank at start-up
+    if transformer_impl == "local":
+        return Backend("local", cuda)
     try:
         import transformer_engine.pytorch  # noqa: F401
     except ImportError as exc:
         raise BackendError(
-            f"a CUDA GPU is present but Transformer Engine cannot be imported ({exc}); "
-            "install the GPU extra: pip install 'spade-mega[gpu]'") from None
-    return Backend("transformer_engine", torch.device("cuda"))  # the current device, set per rank at start-up
+            f"a CUDA GPU is present but Transformer Engine cannot be imported ({exc}); install the GPU extra: "
+            "pip install 'spade-mega[gpu]', or set model.transformer_impl: local to train with Megatron's torch "
+            "layers (slower)") from None
+    return Backend("transformer_engine", cuda)
 
 
 def _hf_error(path: Path, key: str, message: str) -> ConfigError:
@@ -267,11 +280,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Ba
         variable_seq_lengths=parallel.pipeline > 1 and parallel.virtual_pipeline is None,
         # gloo's batched isend/irecv garbles the interleaved schedule's overlapping exchanges (wrong losses with
         # virtual stages, measured); separate sends and receives are exact. NCCL batches them.
-        batch_p2p_comm=backend.te,
-        use_cpu_initialization=not backend.te,
+        batch_p2p_comm=backend.cuda,
+        use_cpu_initialization=not backend.cuda,
         perform_initialization=perform_initialization,
         # fusions need CUDA kernels (and Transformer Engine for RoPE)
-        bias_dropout_fusion=backend.te,
+        bias_dropout_fusion=backend.cuda,
         apply_rope_fusion=backend.te,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,

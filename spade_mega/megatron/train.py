@@ -74,7 +74,7 @@ class Trainer:
                                                   "context-parallel ranks); use parallel.context: 1")
         self.cfg = cfg
         self.model_cfg = resolve_model_config(cfg.model)
-        self.backend: Backend = select_backend()
+        self.backend: Backend = select_backend(self.model_cfg.transformer_impl)
         compat.install()
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

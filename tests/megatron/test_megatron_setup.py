@@ -269,3 +269,18 @@ def test_cpu_uses_the_local_spec() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert select_backend().name == "local"
+    assert select_backend("local") == select_backend("auto") == select_backend()
+    with pytest.raises(BackendError, match="model.transformer_impl is transformer_engine, but there is no CUDA GPU"):
+        select_backend("transformer_engine")
+
+
+def test_gpu_without_transformer_engine_can_train_on_the_local_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.transformer_impl: local on a GPU: Megatron's torch layers on the CUDA device, no Transformer Engine
+    import; the error for auto names that way out."""
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is present")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend = select_backend("local")
+    assert (backend.name, backend.device.type, backend.te, backend.cuda) == ("local", "cuda", False, True)
+    with pytest.raises(BackendError, match="model.transformer_impl: local"):
+        select_backend("auto")

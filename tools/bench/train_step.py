@@ -111,7 +111,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.mfu:  # one layer of Qwen3-30B-A3B, with its full vocabulary
         from spade_mega.megatron.providers import model_config_from_hf
 
-        cfg.model = dataclasses.replace(model_config_from_hf(QWEN3_30B), num_layers=1, hf_config=None)
+        cfg.model = dataclasses.replace(model_config_from_hf(QWEN3_30B, base=cfg.model), num_layers=1,
+                                        hf_config=None)
     cfg.check()
     trainer = Trainer(cfg)
     batch = synthetic_batch(args.samples, trainer.model_cfg.vocab_size, args.max_len)
@@ -137,6 +138,15 @@ def launch(nproc: int, argv: list[str]) -> dict[str, float]:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"benchmark job failed ({' '.join(command)}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def gpu_layer_impl() -> list[str]:
+    """Transformer Engine where it imports; otherwise Megatron's local torch layers on the GPU (said in the output)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return ["model.transformer_impl=local"]
+    return []
 
 
 def gpu_peak_tflops(requested: float | None) -> float | None:
@@ -168,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
 
     common = ["--steps", str(args.steps), "--samples", str(args.samples), "--max-len", str(args.max_len),
               "--token-budget", str(args.token_budget)]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo, one thread per process)"
+    gpus = torch.cuda.device_count()
+    impl = gpu_layer_impl() if gpus else []
+    device = (f"{gpus} x {torch.cuda.get_device_name()}, NCCL, "
+              f"{'Megatron local layers (no Transformer Engine)' if impl else 'Transformer Engine layers'}"
+              if gpus else "CPU (gloo, one thread per process)")
     from spade_mega.config.schema import ModelConfig
 
     m = ModelConfig()
@@ -180,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     for name in ["tp1"] + [n for n in args.layouts if n != "tp1"]:
         nproc, overrides = LAYOUTS[name]
-        r = launch(nproc, common + overrides)
+        if gpus and nproc > gpus:
+            print(f"| {name} | {nproc} | not run: needs {nproc} GPUs, this machine has {gpus} | | | |", flush=True)
+            continue
+        r = launch(nproc, common + overrides + impl)
         baseline = baseline or r["tokens_per_s"]
         print(f"| {name} | {nproc} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"x{r['tokens_per_s'] / baseline:.2f} | {r['peak_mib']:,.0f} |", flush=True)
@@ -192,10 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MFU: unknown peak for {torch.cuda.get_device_name()}; pass --peak-tflops")
         return 0
     r = launch(1, ["--mfu", "--peak-tflops", str(peak), "--steps", str(args.steps), "--samples", "16",
-                   "--max-len", "4096", "--token-budget", "8192"])
+                   "--max-len", "4096", "--token-budget", "8192", *impl])
     print(f"MFU, one-layer Qwen3-30B-A3B slice (128 experts, top-8; 16 samples of 1024-4096 tokens; 1 GPU): "
           f"{r['model_tflops']:.1f} model TFLOP/s of {peak:.0f} peak = {100 * r['mfu']:.1f}% "
-          f"({r['tokens_per_s']:,.0f} tokens/s, peak memory {r['peak_mib']:,.0f} MiB)")
+          f"({r['tokens_per_s']:,.0f} tokens/s, peak memory {r['peak_mib']:,.0f} MiB"
+          f"{', Megatron local layers: no Transformer Engine here' if impl else ''})")
     return 0
 
 
