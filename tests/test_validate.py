@@ -131,7 +131,8 @@ def test_reasons_count_for_metrics(known_bad_reports: dict[str, ValidationReport
     assert all(isinstance(reason, Reason) and reason.value == str(reason.value) for reason in counts)
 
 
-def test_a_slow_program_is_stopped_at_the_validation_time_budget(known_bad_reports: dict[str, ValidationReport]) -> None:
+def test_a_slow_program_is_stopped_at_the_validation_time_budget(
+        known_bad_reports: dict[str, ValidationReport]) -> None:
     report = known_bad_reports["time_budget.py"]
     assert report.reason == Reason.TIME_BUDGET
     assert f"over validation.time_budget_s ({TEST_BUDGET_S:g} s)" in report.detail
