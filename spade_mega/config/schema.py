@@ -177,16 +177,21 @@ class RunConfig:
 
 @dataclass
 class LoggingConfig:
-    """Metric sinks and console output."""
+    """Metric sinks and console output (spade_mega/monitor): run_dir/metrics.jsonl, run_dir/tensorboard."""
 
     jsonl: bool = True
     tensorboard: bool = True
-    log_interval: int = 1
-    progress: bool = True
+    gpu_stats: bool = True  # NVML memory, utilisation, power, temperature of the node's GPUs in every record
+    log_interval: int = 1  # steps between plain progress lines (when there is no progress bar)
+    progress: bool = True  # a progress bar when stdout is a terminal
+    progress_metrics: list[str] = field(default_factory=lambda: ["agent/return", "designer/regret", "train/loss"])
     level: Literal["debug", "info", "warning", "error"] = "info"
 
     def check(self) -> None:
         _positive("logging", self, "log_interval")
+        for i, name in enumerate(self.progress_metrics):
+            _require("/" in name.strip("/"), f"logging.progress_metrics[{i}]",
+                     f"must be a metric name group/name (e.g. agent/return), got {name!r}")
 
 
 @dataclass
