@@ -31,7 +31,7 @@ def test_the_gpu_benchmark_code_runs_on_cpu_at_toy_shapes() -> None:
     end, so a GPU session does not spend its device time finding a wiring bug. No time is asserted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "kernels", "--cpu-dry-run", "--tokens", "16",
-                           "--vocab", "1000", "--samples", "4096", "--copy-bytes", "1048576"],
+                           "--vocab", "1000", "--samples", "4096", "--tiles", "256", "1024", "--copy-bytes", "1048576"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -40,5 +40,6 @@ def test_the_gpu_benchmark_code_runs_on_cpu_at_toy_shapes() -> None:
     ops = {line.split(" | ")[0].lstrip("| ").split("; loss differs")[0] for line in rows}
     assert ops == {"tis_logprob fwd+bwd (TIS)", "tis_logprob fwd+bwd (no TIS", "logprob+entropy fwd",
                    "grpo_advantage (end to end)",
-                   "grpo_advantage (kernel alone, graph replay)"}, ops
+                   "grpo_advantage (kernel alone, graph replay, tile 256)",
+                   "grpo_advantage (kernel alone, graph replay, tile 1024)"}, ops
     assert "16 x 1000: loss" in out  # the agreement line before the timings

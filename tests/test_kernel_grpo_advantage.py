@@ -46,16 +46,20 @@ def mixed_batch(gen: torch.Generator, dtype: torch.dtype = torch.float32):
     return (rewards[perm].to(dtype), group_ids[perm], roles[perm], skill_ids[perm], valid[perm])
 
 
+@pytest.mark.parametrize("tile", [None, 16], ids=["one-tile", "16-sample-tiles"])
 @pytest.mark.parametrize("std_normalize", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
-def test_matches_rl_advantages_per_sample_and_per_token(gen, dtype, std_normalize) -> None:
+def test_matches_rl_advantages_per_sample_and_per_token(gen, dtype, std_normalize, tile) -> None:
+    """The default tile holds the whole batch (one launch); 16-sample tiles cut groups across tiles (the 150-sample
+    group spans ten), so the first pass and the combination of tiles' shares run too."""
     seed = gen.initial_seed()
     rewards, group_ids, roles, skill_ids, valid = mixed_batch(gen, dtype)
     loss_mask = torch.rand(rewards.numel(), 37, generator=gen) > 0.3  # 37 tokens: a partial token block
-    before = LAUNCHES["grpo_advantage.forward"]
+    before = LAUNCHES.copy()
     got = run(rewards, group_ids, roles, skill_ids, 12.5, std_normalize=std_normalize, valid=valid,
-                            loss_mask=loss_mask)
-    assert LAUNCHES["grpo_advantage.forward"] == before + 1
+              loss_mask=loss_mask, tile=tile)
+    assert LAUNCHES["grpo_advantage.forward"] == before["grpo_advantage.forward"] + 1
+    assert LAUNCHES["grpo_advantage.crossing"] == before["grpo_advantage.crossing"] + (tile is not None)
     want = grpo_advantages(rewards.double(), group_ids, roles, skill_ids, 12.5, std_normalize=std_normalize,
                            valid=valid)
     assert got.samples.dtype == dtype and got.tokens.dtype == dtype
@@ -111,10 +115,33 @@ def test_empty_batches_and_groups_give_zeros_without_a_launch_for_nothing(gen) -
     assert (singles.samples == 0).all() and not singles.samples.isnan().any()
 
 
-def test_results_are_deterministic(gen) -> None:
+@pytest.mark.parametrize("tile", [None, 16], ids=["one-tile", "16-sample-tiles"])
+def test_results_are_deterministic(gen, tile) -> None:
     rewards, group_ids, roles, skill_ids, valid = mixed_batch(gen)
-    runs = [run(rewards, group_ids, roles, skill_ids, 2.0, valid=valid).samples for _ in range(2)]
+    runs = [run(rewards, group_ids, roles, skill_ids, 2.0, valid=valid, tile=tile).samples for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("role", [AGENT, DESIGNER], ids=["agent-group", "designer-skill"])
+def test_a_segment_over_many_tiles_matches_and_equal_rewards_stay_zero(gen, role) -> None:
+    """2,100 samples of one segment in 16-sample tiles: 132 tiles' shares, more than one combination step (128);
+    then the same segment with all rewards equal gives exactly 0 although no tile sees the whole segment."""
+    seed = gen.initial_seed()
+    n = 2100
+    rewards = torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    ids, roles = torch.zeros(n, dtype=torch.long), torch.full((n,), role)
+    got = run(rewards, ids, roles, ids, 3.0, tile=16).samples
+    torch.testing.assert_close(got, grpo_advantages(rewards, ids, roles, ids, 3.0), rtol=1e-12, atol=1e-12,
+                               msg=lambda m: f"seed {seed}: {m}")
+    flat = run(torch.full((n,), 0.3, dtype=torch.float64), ids, roles, ids, 3.0, tile=16).samples
+    assert (flat == 0).all()
+
+
+def test_tile_must_be_a_power_of_two() -> None:
+    ids = torch.zeros(4, dtype=torch.long)
+    for tile in (8, 48):
+        with pytest.raises(ValueError, match="tile must be a power of two >= 16"):
+            op.grpo_advantage(torch.zeros(4), ids, ids, ids, 1.0, tile=tile)
 
 
 def test_reference_path_runs_no_kernel(gen) -> None:

@@ -8,9 +8,10 @@ Rows (bf16 logits, temperature 0.6, SPADE's clip 0.2/0.28 and TIS clip 2.0):
 - ``tis_logprob fwd+bwd``: per-token TIS-weighted PPO-clip loss, token mean, gradient on the logits. Compulsory
   traffic: the logits read twice and their gradient written once (3 x tokens x vocab x 2 bytes).
 - ``logprob+entropy fwd``: the no-grad forward that recomputes old log-probs (and the entropy metric): one read.
-- ``grpo_advantage``: per-role advantages of a mixed batch (agents in groups of 16, 10% designers over 6 skills),
-  end to end (host segment sort included) and the kernel alone. Compulsory traffic: end to end, the rewards, three id
-  arrays and the output (32 bytes a sample); the kernel alone, permutation, rewards and output (16 bytes a sample).
+- ``grpo_advantage``: per-role advantages of a mixed batch (agents in groups of 16, 10% designers over 6 skills) and
+  of agents alone, end to end (host segment sort included) and the kernel alone (CUDA graph replays, per tile size).
+  Compulsory traffic: end to end, the rewards, three id arrays and the output (32 bytes a sample); the kernel alone,
+  the sorted permutation and segment ids (int32), the rewards and the output (16 bytes a sample).
 The baselines compute the same thing: the eager functions below (log-softmax over the full vocabulary), the same
 compiled with ``torch.compile``, and for the loss Liger's fused GRPO loss without TIS (its newer ``vllm_is_ratio``
 is not in every release) against our op without TIS, one sequence so that both reduce to the token mean.
@@ -318,14 +319,15 @@ def benchmark(args: argparse.Namespace) -> int:
             end_to_end = timed(lambda: grpo_advantage(*ids))  # input checks, segment sort, launch
             segments = _segments(a["group_ids"], a["roles"], a["skill_ids"], None)
             params = torch.tensor([12.0, 1e-6], dtype=torch.float64, device=device)
-            kernel_only = timed(lambda: GrpoAdvantageFunction.apply(a["rewards"], a["roles"], segments, params,
-                                                                    None, True, torch.float32), graph=True)
             reference = timed(lambda: grpo_advantages(*ids))
             with_compile = timed(compiled_advantages and (lambda: compiled_advantages(*ids)))
             shape = f"{n} samples, {mix}, {segments.offsets.numel() - 1:,} segments"
             row("grpo_advantage (end to end)", shape, end_to_end, 32 * n, reference, with_compile, False)
-            row("grpo_advantage (kernel alone, graph replay)", shape, kernel_only, 16 * n, reference, with_compile,
-                False)
+            for tile in args.tiles:  # the tile size is the kernel's one tuning knob: a sweep in the same run
+                kernel_only = timed(lambda: GrpoAdvantageFunction.apply(a["rewards"], a["roles"], segments, params,
+                                                                        None, True, torch.float32, tile), graph=True)
+                row(f"grpo_advantage (kernel alone, graph replay, tile {tile})", shape, kernel_only, 16 * n,
+                    reference, with_compile, False)
     print("# x eager / x torch.compile / x Liger: the baseline's time over ours (> 1: ours is faster)")
     return 0
 
@@ -335,6 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--samples", type=int, nargs="+", default=[1_000_000])
+    parser.add_argument("--tiles", type=int, nargs="+", default=[512, 1024, 2048],
+                        help="grpo_advantage tile sizes timed kernel-alone (the default is 1,024)")
     parser.add_argument("--copy-bytes", type=int, default=4 << 30)
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=200)
