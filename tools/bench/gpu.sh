@@ -6,6 +6,8 @@
 #   kernels     python -m tools.bench kernels [ARGS...]                            -> kernels.md  (limit 420 s)
 #   train_step  python -m tools.bench train_step: GRPO step and MFU (megatron-core) -> train_step.md (limit 300 s)
 # Results go under $OUT (default ./gpu-out), with env.txt. A failing stage is reported; the next one still runs.
+# BUDGET_S (default 540) bounds the whole call, so it ends inside the device tool's 600 s: each stage gets the
+# smaller of its own limit and what is left, and a stage with under 30 s left is skipped and said to be.
 #
 #   here:    make device-wheels        # liger-kernel (Liger baseline) and megatron-core (train_step) into .whl/
 #   there:   bash tools/bench/gpu.sh   # carry .whl
@@ -19,6 +21,7 @@ out=${OUT:-$repo/gpu-out}
 py=${PYTHON:-python3}
 tree=${SPADE_GPU_TREE:-/tmp/spade-gpu}
 stages=" ${STAGES:-tests aot kernels train_step} "
+deadline=$((SECONDS + ${BUDGET_S:-540}))
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -27,6 +30,9 @@ stage() {  # stage KEY SECONDS FILE COMMAND...: run when KEY is in $stages, keep
   local name=$1 limit=$2 file=$3
   shift 3
   [[ $stages == *" $name "* ]] || return 0
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "== $name skipped: ${left}s of BUDGET_S left"; status=1; return 0; fi
+  [ "$left" -lt "$limit" ] && limit=$left
   echo "== $name (limit ${limit}s) -> $file"
   timeout "$limit" "$@" 2>&1 | tee "$out/$file"
   local rc=${PIPESTATUS[0]}
