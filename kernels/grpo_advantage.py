@@ -297,15 +297,19 @@ def _segments(group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Ten
         raise ValueError(f"at most 2**31 - 1 samples per call, got {roles.shape[0]}")
     rows = torch.arange(roles.shape[0], device=roles.device) if valid is None else torch.nonzero(valid).flatten()
     designer = roles[rows] == DESIGNER
-    key = torch.where(designer, skill_ids[rows], group_ids[rows]).long() * 2 + designer.long()
-    key, perm = torch.sort(key, stable=True)
-    boundary = key[1:] != key[:-1]
+    ids = torch.where(designer, skill_ids[rows], group_ids[rows]).long()
+    # (id, role) order from two stable sorts: packing the role into the id's bits (2 * id + role) wraps around for
+    # |id| >= 2**62 and merges groups that the reference keeps apart
+    perm = torch.sort(designer.to(torch.uint8), stable=True).indices
+    perm = perm[torch.sort(ids[perm], stable=True).indices]
+    ids, designer = ids[perm], designer[perm]
+    boundary = (ids[1:] != ids[:-1]) | (designer[1:] != designer[:-1])
     starts = torch.nonzero(boundary).flatten() + 1
-    edges = torch.tensor([0, key.numel()], device=key.device)
-    offsets = torch.cat([edges[:1], starts, edges[1:]]) if key.numel() else edges[:1]
-    seg = torch.cat([boundary.new_zeros(min(1, key.numel())), boundary]).int().cumsum(0, dtype=torch.int32)
+    edges = torch.tensor([0, ids.numel()], device=ids.device)
+    offsets = torch.cat([edges[:1], starts, edges[1:]]) if ids.numel() else edges[:1]
+    seg = torch.cat([boundary.new_zeros(min(1, ids.numel())), boundary]).int().cumsum(0, dtype=torch.int32)
     return _Segments(rows[perm].int().contiguous(), seg, offsets.int().contiguous(),
-                     (key[offsets[:-1]] & 1).to(torch.int8), valid is None or rows.numel() == roles.shape[0])
+                     designer[offsets[:-1]].to(torch.int8), valid is None or rows.numel() == roles.shape[0])
 
 
 class GrpoAdvantageFunction(torch.autograd.Function):

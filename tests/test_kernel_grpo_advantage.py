@@ -137,6 +137,21 @@ def test_a_segment_over_many_tiles_matches_and_equal_rewards_stay_zero(gen, role
     assert (flat == 0).all()
 
 
+def test_ids_anywhere_in_int64_keep_their_groups_apart() -> None:
+    """Group ids 5 and 5 - 2**63 (and skill ids 2**62 and -2**62 for the designer) are different groups, as in the
+    reference: the sort key must not pack the role into the id's bits (2 * id wraps around for |id| >= 2**62)."""
+    rewards = torch.tensor([0.0, 1.0, 2.0, 10.0, 20.0, 30.0] * 2, dtype=torch.float64)
+    group_ids = torch.tensor([5] * 3 + [5 - 2**63] * 3 + [0] * 6)
+    skill_ids = torch.tensor([0] * 6 + [2**62] * 3 + [-(2**62)] * 3)
+    roles = torch.tensor([AGENT] * 6 + [DESIGNER] * 6)
+    for tile in (None, 16):
+        got = run(rewards, group_ids, roles, skill_ids, 2.0, tile=tile).samples
+        torch.testing.assert_close(got, grpo_advantages(rewards, group_ids, roles, skill_ids, 2.0), rtol=1e-12,
+                                   atol=1e-12)
+        torch.testing.assert_close(got, torch.tensor([-1.0, 0.0, 1.0] * 2 + [-2.0, 0.0, 2.0, -20.0, 0.0, 20.0],
+                                                     dtype=torch.float64), rtol=1e-5, atol=0)  # agents: / (1 + eps)
+
+
 def test_tile_must_be_a_power_of_two() -> None:
     ids = torch.zeros(4, dtype=torch.long)
     for tile in (8, 48):
