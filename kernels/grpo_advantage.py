@@ -1,5 +1,5 @@
 """Fused per-role GRPO advantages: rewards -> per-sample (and optionally per-token) advantages in one launch (two
-when the sorted samples span several tiles).
+when a segment crosses a tile edge).
 
 The specification is ``spade_mega.rl.advantages.grpo_advantages`` (the reference this op falls back to): agent samples
 are normalised within their environment group, ``(r - mean) / (std + eps)`` with the unbiased std (or only centred,
@@ -35,6 +35,7 @@ BLOCK_S = 256  # samples per step of a segment's loops in the backward (one prog
 # one size that ptxas compiles without a spill under both triton 3.6 and 3.7 (128 spills 8 bytes under 3.6)
 BLOCK_W = 8  # rows per step of the token broadcast: an [8, 128] tile of the [samples, tokens] output
 BLOCK_L = 128  # tokens per forward program's column block (grid axis 1) when broadcasting to [samples, tokens]
+MAX_GRID_Y = 65_535  # CUDA's limit on grid axis 1: wider token broadcasts (8.4M tokens a sample) use the reference
 
 
 def tile_warps(tile: int) -> int:
@@ -136,7 +137,7 @@ def _crossing_parts_kernel(rewards_ptr, order_ptr, seg_ptr, offsets_ptr, parts_p
     shares, so small segments cost a few samples a tile."""
     tile = tl.program_id(0)
     p0 = tile * TILE
-    p1 = tl.minimum(p0 + TILE, n_sorted)
+    p1 = p0 + tl.minimum(n_sorted - p0, TILE)  # not p0 + TILE: that overflows int32 near 2**31 samples
     pos = p0 + tl.arange(0, TILE)
     head = tl.load(seg_ptr + p0)
     tail = tl.load(seg_ptr + p1 - 1)
@@ -187,7 +188,7 @@ def _grpo_advantage_kernel(rewards_ptr, order_ptr, seg_ptr, offsets_ptr, seg_des
     tile = tl.program_id(0)
     col_block = tl.program_id(1)
     p0 = tile * TILE
-    p1 = tl.minimum(p0 + TILE, n_sorted)
+    p1 = p0 + tl.minimum(n_sorted - p0, TILE)  # not p0 + TILE: that overflows int32 near 2**31 samples
     local = tl.arange(0, TILE)
     pos = p0 + local
     inb = pos < p1
@@ -289,10 +290,12 @@ class _Segments(NamedTuple):
     offsets: torch.Tensor  # int32 [segments + 1] into ``order``
     designer: torch.Tensor  # int8 [segments]: 1 for a designer skill, 0 for an agent group
     all_valid: bool
+    tile: int  # sorted samples per forward program
+    crossing: bool  # some segment crosses a tile edge: the forward needs its first launch
 
 
 def _segments(group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Tensor,
-              valid: Optional[torch.Tensor]) -> _Segments:
+              valid: Optional[torch.Tensor], tile: int = TILE) -> _Segments:
     if roles.shape[0] >= 2**31:
         raise ValueError(f"at most 2**31 - 1 samples per call, got {roles.shape[0]}")
     rows = torch.arange(roles.shape[0], device=roles.device) if valid is None else torch.nonzero(valid).flatten()
@@ -308,25 +311,32 @@ def _segments(group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Ten
     edges = torch.tensor([0, ids.numel()], device=ids.device)
     offsets = torch.cat([edges[:1], starts, edges[1:]]) if ids.numel() else edges[:1]
     seg = torch.cat([boundary.new_zeros(min(1, ids.numel())), boundary]).int().cumsum(0, dtype=torch.int32)
+    # a segment crosses a tile edge iff some edge inside the batch is not a segment start (groups of 16 fill tiles
+    # of 1,024 exactly: then one launch does it all)
+    is_start = torch.zeros(ids.numel() + 1, dtype=torch.bool, device=ids.device)
+    is_start[offsets] = True
+    crossing = not bool(is_start[tile:ids.numel():tile].all())
     return _Segments(rows[perm].int().contiguous(), seg, offsets.int().contiguous(),
-                     designer[offsets[:-1]].to(torch.int8), valid is None or rows.numel() == roles.shape[0])
+                     designer[offsets[:-1]].to(torch.int8), valid is None or rows.numel() == roles.shape[0], tile,
+                     crossing)
 
 
 class GrpoAdvantageFunction(torch.autograd.Function):
     """Per-sample and per-token advantages, differentiable with respect to the rewards."""
 
     @staticmethod
-    def forward(ctx, rewards, roles, segments, params, loss_mask, std_normalize, out_dtype, tile=TILE):
+    def forward(ctx, rewards, roles, segments, params, loss_mask, std_normalize, out_dtype):
         n = rewards.shape[0]
         alloc = torch.empty if segments.all_valid else torch.zeros  # invalid rows are never written: 0
         out = alloc(n, dtype=out_dtype, device=rewards.device)
         tokens = alloc(loss_mask.shape, dtype=out_dtype, device=rewards.device) if loss_mask is not None else None
         n_sorted = segments.order.numel()
         if n_sorted:
+            tile = segments.tile
             n_tiles = triton.cdiv(n_sorted, tile)
             parts = torch.empty(n_tiles * 8, dtype=torch.float64, device=rewards.device)  # read only across tiles
             num_warps = tile_warps(tile)
-            if n_tiles > 1:
+            if segments.crossing:
                 launch("grpo_advantage.crossing", _crossing_parts_kernel, (n_tiles,), rewards, segments.order,
                        segments.seg, segments.offsets, parts, n_sorted, TILE=tile, num_warps=num_warps)
             n_cols = 0 if loss_mask is None else loss_mask.shape[1]
@@ -353,7 +363,7 @@ class GrpoAdvantageFunction(torch.autograd.Function):
             launch("grpo_advantage.backward", _grpo_advantage_grad_kernel, (offsets.numel() - 1,), rewards, roles,
                    order, offsets, params, grad.contiguous(), grad_rewards, STD_NORMALIZE=ctx.std_normalize,
                    BLOCK=BLOCK_S, num_warps=4)
-        return grad_rewards, None, None, None, None, None, None, None
+        return grad_rewards, None, None, None, None, None, None
 
 
 def _check(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Tensor,
@@ -385,17 +395,18 @@ def grpo_advantage(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.
     tile = TILE if tile is None else tile
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
-    if not use_kernel(_grpo_advantage_kernel, rewards, use_kernels):
+    too_wide = loss_mask is not None and loss_mask.dim() == 2 and loss_mask.shape[1] > MAX_GRID_Y * BLOCK_L
+    if too_wide or not use_kernel(_grpo_advantage_kernel, rewards, use_kernels):  # too wide: past CUDA's grid
         samples = grpo_advantages(rewards, group_ids, roles, skill_ids, designer_scale, std_normalize=std_normalize,
                                   eps=eps, valid=valid)
         return GrpoAdvantages(samples, None if loss_mask is None else token_advantages(samples, loss_mask))
     _check(rewards, group_ids, roles, skill_ids, designer_scale, valid, loss_mask)
-    segments = _segments(group_ids, roles, skill_ids, None if valid is None else valid.bool())
+    segments = _segments(group_ids, roles, skill_ids, None if valid is None else valid.bool(), tile)
     params = torch.tensor([designer_scale, eps], dtype=torch.float64, device=rewards.device)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     mask = None if loss_mask is None else loss_mask.bool().contiguous()
     samples, tokens = GrpoAdvantageFunction.apply(rewards.contiguous(), roles.contiguous(), segments, params, mask,
-                                                  std_normalize, out_dtype, tile)
+                                                  std_normalize, out_dtype)
     return GrpoAdvantages(samples, tokens if loss_mask is not None else None)
 
 

@@ -37,9 +37,12 @@ def test_the_gpu_benchmark_code_runs_on_cpu_at_toy_shapes() -> None:
     out = proc.stdout
     assert "OOM/failed" not in out and "failed:" not in out, out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| op")]
-    ops = {line.split(" | ")[0].lstrip("| ").split("; loss differs")[0] for line in rows}
+    ops = {line.split(" | ")[0].lstrip("| ").split("; loss differs")[0].split(", 1 launch")[0].split(", 2 launches")[0]
+           for line in rows}
     assert ops == {"tis_logprob fwd+bwd (TIS)", "tis_logprob fwd+bwd (no TIS", "logprob+entropy fwd",
                    "grpo_advantage (end to end)",
-                   "grpo_advantage (kernel alone, graph replay, tile 256)",
-                   "grpo_advantage (kernel alone, graph replay, tile 1024)"}, ops
+                   "grpo_advantage (kernel alone, graph replay, tile 256",
+                   "grpo_advantage (kernel alone, graph replay, tile 1024"}, ops
+    # agents alone in groups of 16 fill every tile exactly: one launch; designers' skills cross tiles: two
+    assert "tile 256, 1 launch) | 4096 samples, agents only" in out and "tile 256, 2 launches) | 4096 samples, 10%" in out
     assert "16 x 1000: loss" in out  # the agreement line before the timings

@@ -152,6 +152,20 @@ def test_ids_anywhere_in_int64_keep_their_groups_apart() -> None:
                                                      dtype=torch.float64), rtol=1e-5, atol=0)  # agents: / (1 + eps)
 
 
+def test_groups_that_fill_whole_tiles_take_one_launch(gen) -> None:
+    """Groups of 16 in 16-sample tiles: no segment crosses a tile edge, so the first launch is skipped; one invalid
+    sample shifts every later group across an edge, and the first launch runs."""
+    rewards = torch.randn(96, generator=gen, dtype=torch.float64)
+    groups, roles = torch.arange(96) // 16, torch.zeros(96, dtype=torch.long)
+    for valid, crossing in ((None, 0), (torch.arange(96) != 5, 1)):
+        before = LAUNCHES.copy()
+        got = run(rewards, groups, roles, roles, 1.0, valid=valid, tile=16).samples
+        assert LAUNCHES["grpo_advantage.crossing"] - before["grpo_advantage.crossing"] == crossing
+        assert LAUNCHES["grpo_advantage.forward"] - before["grpo_advantage.forward"] == 1
+        torch.testing.assert_close(got, grpo_advantages(rewards, groups, roles, roles, 1.0, valid=valid),
+                                   rtol=1e-12, atol=1e-12)
+
+
 def test_tile_must_be_a_power_of_two() -> None:
     ids = torch.zeros(4, dtype=torch.long)
     for tile in (8, 48):

@@ -317,17 +317,19 @@ def benchmark(args: argparse.Namespace) -> int:
             a = advantage_inputs(n, device, designer_fraction=fraction)
             ids = (a["rewards"], a["group_ids"], a["roles"], a["skill_ids"], 12.0)
             end_to_end = timed(lambda: grpo_advantage(*ids))  # input checks, segment sort, launch
-            segments = _segments(a["group_ids"], a["roles"], a["skill_ids"], None)
             params = torch.tensor([12.0, 1e-6], dtype=torch.float64, device=device)
             reference = timed(lambda: grpo_advantages(*ids))
             with_compile = timed(compiled_advantages and (lambda: compiled_advantages(*ids)))
-            shape = f"{n} samples, {mix}, {segments.offsets.numel() - 1:,} segments"
+            shape = f"{n} samples, {mix}"
             row("grpo_advantage (end to end)", shape, end_to_end, 32 * n, reference, with_compile, False)
             for tile in args.tiles:  # the tile size is the kernel's one tuning knob: a sweep in the same run
+                segments = _segments(a["group_ids"], a["roles"], a["skill_ids"], None, tile)
                 kernel_only = timed(lambda: GrpoAdvantageFunction.apply(a["rewards"], a["roles"], segments, params,
-                                                                        None, True, torch.float32, tile), graph=True)
-                row(f"grpo_advantage (kernel alone, graph replay, tile {tile})", shape, kernel_only, 16 * n,
-                    reference, with_compile, False)
+                                                                        None, True, torch.float32), graph=True)
+                launches = "2 launches" if segments.crossing else "1 launch"
+                row(f"grpo_advantage (kernel alone, graph replay, tile {tile}, {launches})",
+                    f"{shape}, {segments.offsets.numel() - 1:,} segments", kernel_only, 16 * n, reference,
+                    with_compile, False)
     print("# x eager / x torch.compile / x Liger: the baseline's time over ours (> 1: ours is faster)")
     return 0
 
