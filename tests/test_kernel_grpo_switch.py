@@ -1,6 +1,6 @@
 """``kernels.enabled``: the switch point gives rl's results on both sides of it, and over a real tensor-parallel
 vocab split. Kernels run compiled on a GPU when there is one, interpreted on CPU otherwise (see kernel_support); the
-gloo ranks run on CPU under the interpreter either way."""
+gloo ranks too (gloo gathers CUDA tensors as well), so on a GPU the split is checked with the compiled kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from spade_mega.config.schema import KernelsConfig, RLConfig
 from spade_mega.kernels import grpo
 from spade_mega.kernels.dispatch import LAUNCHES
 from spade_mega.rl.advantages import AGENT, DESIGNER
-from kernel_support import KERNEL_DEVICE, to_cpu, to_kernel_device
+from kernel_support import to_cpu, to_kernel_device
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ON, OFF = KernelsConfig(enabled=True), KernelsConfig(enabled=False)
@@ -39,11 +39,10 @@ def loss_batch(seed: int) -> dict:
                 ref_logprobs=lp + 0.1 * torch.randn(shape, generator=g))
 
 
-def run_loss(batch: dict, kernels: KernelsConfig, logits: torch.Tensor, device: torch.device = KERNEL_DEVICE,
-             **kw):
-    """Loss, metrics and logits gradient on ``device``, returned on CPU."""
-    logits = logits.to(device).requires_grad_(True)
-    args = {k: v.to(device) for k, v in batch.items() if k != "logits"}
+def run_loss(batch: dict, kernels: KernelsConfig, logits: torch.Tensor, **kw):
+    """Loss, metrics and logits gradient on the kernel device, returned on CPU."""
+    logits = to_kernel_device(logits).requires_grad_(True)
+    args = {k: to_kernel_device(v) for k, v in batch.items() if k != "logits"}
     loss, metrics = grpo.policy_loss_from_logits(logits=logits, rl=RL, kernels=kernels, temperature=TEMPERATURE,
                                                  **args, **kw)
     loss.backward()
@@ -95,8 +94,7 @@ def _tp_rank(rank: int, world: int, init: str, seed: int, enabled: bool, out: st
         shard = VOCAB // world
         logits = batch["logits"][..., rank * shard:(rank + 1) * shard]
         before = LAUNCHES["tis_logprob.shard_stats"]
-        loss, metrics, grad = run_loss(batch, KernelsConfig(enabled=enabled), logits, torch.device("cpu"),
-                                       tp_group=dist.group.WORLD)
+        loss, metrics, grad = run_loss(batch, KernelsConfig(enabled=enabled), logits, tp_group=dist.group.WORLD)
         torch.save({"loss": loss, "metrics": metrics, "grad": grad,
                     "launches": LAUNCHES["tis_logprob.shard_stats"] - before}, f"{out}.{rank}")
     finally:
@@ -105,9 +103,7 @@ def _tp_rank(rank: int, world: int, init: str, seed: int, enabled: bool, out: st
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("enabled", [True, False], ids=["kernels", "reference"])
-def test_tensor_parallel_vocab_split_over_gloo_matches_one_process(tmp_path: Path, enabled: bool,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks run on CPU, so their kernels are interpreted
+def test_tensor_parallel_vocab_split_over_gloo_matches_one_process(tmp_path: Path, enabled: bool) -> None:
     seed = int.from_bytes(os.urandom(4), "little")
     out = str(tmp_path / "rank")
     mp.spawn(_tp_rank, args=(2, f"file://{tmp_path / 'store'}", seed, enabled, out), nprocs=2, join=True)
