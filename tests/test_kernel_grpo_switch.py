@@ -41,7 +41,7 @@ def loss_batch(seed: int) -> dict:
 
 def run_loss(batch: dict, kernels: KernelsConfig, logits: torch.Tensor, **kw):
     """Loss, metrics and logits gradient on the kernel device, returned on CPU."""
-    logits = to_kernel_device(logits).requires_grad_(True)
+    logits = to_kernel_device(logits).detach().clone().requires_grad_(True)  # a fresh leaf: no shared .grad
     args = {k: to_kernel_device(v) for k, v in batch.items() if k != "logits"}
     loss, metrics = grpo.policy_loss_from_logits(logits=logits, rl=RL, kernels=kernels, temperature=TEMPERATURE,
                                                  **args, **kw)
