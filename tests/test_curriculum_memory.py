@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from spade_mega.curriculum.memory import EnvMemory, EnvMemoryError, classify
@@ -412,3 +413,54 @@ def test_a_second_process_reads_while_the_trainer_writes(tmp_path: Path) -> None
         proc.kill()
         proc.wait(timeout=30)
     assert seen == sorted(seen) and seen[-1] > seen[0]
+
+
+def test_numpy_play_results_are_stored_as_numbers_not_bytes(memory: EnvMemory) -> None:
+    # Play results usually come out of numpy (np.sum of wins, np.float32 rates, an np.int64 iteration counter).
+    # sqlite3 binds numpy scalars through the buffer protocol, as BLOBs: plays became 8 raw bytes, an iteration
+    # blob sorted after every integer (so it posed as the latest evaluation), a float32 rate crashed the refresh.
+    p = program(1)
+    memory.propose(p)
+    memory.set_validation(p.content_hash, True)
+    memory.record_evaluation(p.content_hash, np.int64(3), np.float32(0.25), np.float64(0.75), np.int64(16),
+                             np.int32(16), designer_reward=np.float32(0.5))
+    memory.record_evaluation(p.content_hash, 4, 0.5, 0.5, 16, 16)
+    memory.set_designer_reward(p.content_hash, np.int64(4), np.float32(-0.25))
+    record = memory.get(p.content_hash)
+    assert [(e.iteration, e.win_rate, e.plays, e.hint_plays, e.designer_reward) for e in record.evaluations] == [
+        (3, 0.25, 16, 16, 0.5), (4, 0.5, 16, 16, -0.25)]
+    assert all(type(e.iteration) is int and type(e.plays) is int for e in record.evaluations)
+    assert (record.last_iteration, record.plays, record.hint_plays, record.outcome) == (4, 32, 32, "other")
+    for bad in (1.5, True, "3", None):
+        with pytest.raises(EnvMemoryError, match="iteration must be an integer"):
+            memory.record_evaluation(p.content_hash, bad, 0.5, 0.5, 16, 16)
+    assert len(memory.get(p.content_hash).evaluations) == 2
+
+
+def test_provenance_numbers_of_any_kind_fill_the_columns_or_stay_in_the_json(memory: EnvMemory) -> None:
+    # The provenance iteration may be an np.int64 (kept as a number) or a value that is no SQLite integer
+    # (nan, 2**70): the proposal must still be stored, with the value kept in the provenance JSON.
+    a = program(1, origin="designer", iteration=np.int64(7), policy_version=np.int32(2))
+    b = program(2, origin="designer", iteration=float("nan"), policy_version=2 ** 70)
+    memory.propose_many([a, b])
+    ra, rb = memory.get(a.content_hash), memory.get(b.content_hash)
+    assert (ra.designer_iteration, ra.policy_version) == (7, 2)
+    assert (rb.designer_iteration, rb.policy_version) == (None, None) and rb.provenance["policy_version"] == 2 ** 70
+
+
+@pytest.mark.parametrize("version", [1, 7])
+def test_a_foreign_database_with_a_user_version_is_refused_and_left_untouched(tmp_path: Path, version: int) -> None:
+    # Many programs stamp PRAGMA user_version; one that uses 1 looked like our schema (WAL switched on, then a raw
+    # "no such table" on the first write), one above 1 was told to upgrade spade-mega.
+    foreign = tmp_path / "app.sqlite"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.commit()
+    conn.close()
+    before = foreign.read_bytes()
+    for create in (True, False):
+        with pytest.raises(EnvMemoryError, match="not a spade-mega memory database.*users"):
+            EnvMemory(foreign, create=create)
+    assert foreign.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]

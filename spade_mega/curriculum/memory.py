@@ -208,6 +208,8 @@ class EnvMemory:
 
     def _version(self) -> int:
         version = int(self.conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > 0 and "environments" not in self._tables():  # many programs stamp a user_version of their own
+            raise self._foreign(version)
         if version > SCHEMA_VERSION:
             raise EnvMemoryError(f"{self.path}: memory schema version {version} is newer than this spade-mega "
                                  f"understands ({SCHEMA_VERSION}); upgrade spade-mega")
@@ -219,12 +221,8 @@ class EnvMemory:
         self.conn.execute("BEGIN IMMEDIATE" if create else "BEGIN")  # a reader never takes the write lock
         try:
             if self._version() < SCHEMA_VERSION:  # re-read under the lock: another process may have just created it
-                tables = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
-                                                          "ORDER BY name")]
-                if tables:
-                    raise EnvMemoryError(f"{self.path}: not a spade-mega memory database (it holds tables "
-                                         f"{', '.join(tables[:10])} but no memory schema version); point at the "
-                                         "run's memory file (curriculum.memory.path)")
+                if self._tables():
+                    raise self._foreign(0)
                 if not create:
                     raise EnvMemoryError(f"{self.path}: holds no environment memory yet (empty database)")
                 for statement in _SCHEMA.split(";"):
@@ -235,6 +233,15 @@ class EnvMemory:
             self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
+
+    def _tables(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+
+    def _foreign(self, version: int) -> EnvMemoryError:
+        what = f"schema version {version} is not ours" if version else "no memory schema version"
+        return EnvMemoryError(f"{self.path}: not a spade-mega memory database (it holds tables "
+                              f"{', '.join(self._tables()[:10])}, {what}); point at the run's memory file "
+                              "(curriculum.memory.path)")
 
     @classmethod
     def for_run(cls, cfg: MemoryConfig, run_dir: str | Path) -> "EnvMemory":
@@ -370,22 +377,23 @@ class EnvMemory:
                           regret: float | None = None) -> None:
         """Store one iteration's play results (idempotent per iteration). ``regret`` defaults to the hint gain
         ``win_rate_hint - win_rate``; pass the reward module's regret when it is measured differently."""
-        regret = win_rate_hint - win_rate if regret is None else regret
-        _check_play_results(win_rate=win_rate, win_rate_hint=win_rate_hint, regret=regret,
-                            designer_reward=designer_reward, plays=plays, hint_plays=hint_plays)
+        v = _play_results(iteration=iteration, win_rate=win_rate, win_rate_hint=win_rate_hint,
+                          designer_reward=designer_reward, plays=plays, hint_plays=hint_plays)
+        v |= _play_results(regret=v["win_rate_hint"] - v["win_rate"] if regret is None else regret)
         with self._write() as conn:
             env_id = self._resolve(content_hash)
             conn.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         (env_id, iteration, win_rate, win_rate_hint, regret, designer_reward, plays, hint_plays))
+                         (env_id, v["iteration"], v["win_rate"], v["win_rate_hint"], v["regret"],
+                          v["designer_reward"], v["plays"], v["hint_plays"]))
             self._refresh(conn, env_id)
 
     def set_designer_reward(self, content_hash: str, iteration: int, designer_reward: float) -> None:
         """Attach the (delayed) designer reward to an evaluation recorded earlier."""
-        _check_play_results(designer_reward=designer_reward)
+        v = _play_results(iteration=iteration, designer_reward=designer_reward)
         with self._write() as conn:
             env_id = self._resolve(content_hash)
             cur = conn.execute("UPDATE evaluations SET designer_reward = ? WHERE env_id = ? AND iteration = ?",
-                               (designer_reward, env_id, iteration))
+                               (v["designer_reward"], env_id, v["iteration"]))
             if cur.rowcount == 0:
                 raise EnvMemoryError(f"environment {content_hash[:12]} has no evaluation at iteration {iteration}")
             self._refresh(conn, env_id)
@@ -527,19 +535,38 @@ class EnvMemory:
         return n
 
 
-def _check_play_results(**values: float | int | None) -> None:
-    """Refuse non-finite rates and rewards (SQLite would store nan as NULL) and negative play counts, by name."""
+def _play_results(**values: float | int | None) -> dict[str, float | int | None]:
+    """The values as Python ints and floats, by name: sqlite3 binds numpy scalars as BLOBs (raw bytes that sort after
+    every number). Refuses non-finite rates and rewards (SQLite would store nan as NULL), negative play counts and
+    non-integer iterations."""
+    out: dict[str, float | int | None] = {}
     for name, value in values.items():
-        if name.endswith("plays"):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise EnvMemoryError(f"{name} must be a non-negative integer, got {value!r}")
-        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))
-                                    or not math.isfinite(value)):
+        if name == "iteration" or name.endswith("plays"):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not _INT64[0] <= value \
+                    <= _INT64[1] or (name != "iteration" and value < 0):
+                kind = "an integer" if name == "iteration" else "a non-negative integer"
+                raise EnvMemoryError(f"{name} must be {kind}, got {value!r}")
+            out[name] = int(value)
+        elif value is None:
+            out[name] = None
+        elif isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(value):
             raise EnvMemoryError(f"{name} must be a finite number, got {value!r}")
+        else:
+            out[name] = float(value)
+    return out
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def _opt_int(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A provenance number for its SQLite column; anything else stays only in the provenance JSON."""
+    if isinstance(value, (float, np.floating)) and math.isfinite(value):
+        value = int(value)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]:
+        return int(value)
+    return None
 
 
 def _opt_str(value: Any) -> str | None:
