@@ -262,3 +262,29 @@ def test_think_tags_inside_the_answer_are_program_text() -> None:
     opened_late = GOOD_SOURCE.replace('f"total {self.total}"', '"reply <think> to think"')
     assert parse_designer_output(output(source=opened_late), SKILLS).source == opened_late
     assert parse_agent_output("<think>a</think><action>say </think></action>").text == "say </think>"
+
+
+@pytest.mark.parametrize("char", ["\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"])
+def test_unicode_line_separators_inside_the_program_are_kept(char: str) -> None:
+    # Python ends source lines only at \n, \r\n and \r; str.splitlines also splits at these characters, so a valid
+    # program holding one in a string literal was rebuilt with a newline there (syntax_error, or changed text).
+    source = GOOD_SOURCE.replace('f"total {self.total}"', f'"total{char}{{self.total}}"')
+    program = parse_designer_output(output(source=source, hint=f"count{char}down"), SKILLS)
+    assert program.source == source and program.hint == f"count{char}down"
+
+
+def test_crlf_output_parses_like_lf() -> None:
+    text = output().replace("\n", "\r\n")
+    assert parse_designer_output(text, SKILLS).source == GOOD_SOURCE
+
+
+def test_an_indented_fence_in_a_docstring_does_not_close_the_block() -> None:
+    # CommonMark: a closing fence is indented by at most 3 spaces more than its opening one; the program's docstring
+    # may show a reply format between ``` lines indented with the code.
+    source = GOOD_SOURCE.replace('"""Reach the target by adding 1 or 2."""',
+                                 '"""Reach the target by adding 1 or 2.\n\n    Reply like this:\n\n    ```\n    2\n'
+                                 '    ```\n    """')
+    assert parse_designer_output(output(source=source), SKILLS).source == source
+    # A whole answer indented (as in a list item) still parses: the block closes at its own indentation.
+    indented = "\n".join("    " + line if line else line for line in output().splitlines()) + "\n"
+    assert parse_designer_output(indented, SKILLS).source == GOOD_SOURCE  # its indentation removed, as in CommonMark

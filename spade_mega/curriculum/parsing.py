@@ -29,6 +29,7 @@ from spade_mega.errors import SpadeError
 MAX_SOURCE_CHARS = 100_000  # a 16k-token designer budget is ~64k characters of code
 _PYTHON_LANGS = frozenset({"", "python", "py", "python3"})
 _THINK_END = "</think>"
+_LINE_END = re.compile(r"\r\n|\r|\n")  # Python's and CommonMark's line ends; str.splitlines knows eight more
 
 
 class ParseReason(str, Enum):
@@ -71,8 +72,9 @@ def strip_reasoning(text: str) -> tuple[str, bool]:
     return text, not text.lstrip().startswith("<think>")
 
 
-def _fence(line: str) -> tuple[str, str] | None:
-    """(fence, info string) when ``line`` is a CommonMark code fence (3+ backticks or tildes), else None.
+def _fence(line: str) -> tuple[int, str, str] | None:
+    """(indentation in columns, fence, info string) when ``line`` is a CommonMark code fence (3+ backticks or
+    tildes), else None.
 
     A plain scan, not a regex: a fence line padded with 100k blanks must not cost backtracking time.
     """
@@ -83,29 +85,33 @@ def _fence(line: str) -> tuple[str, str] | None:
     info = stripped[width:].strip()
     if width < 3 or (stripped[0] == "`" and "`" in info):
         return None
-    return stripped[:width], info
+    return len(line[:len(line) - len(line.lstrip(" \t"))].expandtabs(4)), stripped[:width], info
 
 
 def _code_blocks(text: str) -> tuple[list[tuple[str, str]], str, bool]:
     """Fenced blocks as (language, body), the text outside them, and whether every fence was closed.
 
     As in CommonMark, a block closes only at a bare fence of the same character at least as long as the opening one,
-    so a program whose text holds ``` lines can be sent inside a ```` fence.
+    indented at most 3 columns more, so a program whose text holds ``` lines can be sent inside a ```` fence, and a
+    ``` line indented with the code (a docstring's example) stays program text. A fence indented by n spaces (a list
+    item) takes up to n leading spaces off each line of its block. Lines end only at \n, \r\n or \r, as in Python:
+    a form feed or U+2028 inside a string literal is program text.
     """
-    blocks, outside, body, lang, opening = [], [], None, "", ""
-    for line in text.splitlines():
+    blocks, outside, body, lang, opening, indent = [], [], None, "", "", 0
+    for line in _LINE_END.split(text):
         fence = _fence(line)
         if body is None:
             if fence:
-                body, opening = [], fence[0]
-                lang = fence[1].split()[0].lower() if fence[1] else ""
+                body, (indent, opening, info) = [], fence
+                lang = info.split()[0].lower() if info else ""
             else:
                 outside.append(line)
-        elif fence and not fence[1] and fence[0][0] == opening[0] and len(fence[0]) >= len(opening):
+        elif fence and not fence[2] and fence[1][0] == opening[0] and len(fence[1]) >= len(opening) \
+                and fence[0] <= indent + 3:
             blocks.append((lang, "\n".join(body) + "\n"))
             body = None
         else:
-            body.append(line)
+            body.append(line[min(indent, len(line) - len(line.lstrip(" "))):])
     return blocks, "\n".join(outside), body is None
 
 
