@@ -236,3 +236,18 @@ def test_cross_section_checks() -> None:
         load_config(None, ["rollout.hint_plays_per_env=0"])
     assert info.value.path == "rollout.hint_plays_per_env"
     load_config(None, ["rollout.hint_plays_per_env=0", "rewards.regret_weight=0"])  # plateau alone needs no hints
+
+
+def test_plateau_only_blend_pays_without_hint_plays() -> None:
+    # the config accepts blend with regret_weight 0 and no hint plays; its designer samples must still be paid
+    cfg = load_config(None, ["rollout.hint_plays_per_env=0", "rewards.regret_weight=0"]).rewards
+    r = designer_reward(cfg, {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0]}, [])  # win rate 0.375
+    assert not r.masked and r.value == pytest.approx(0.6 * (1 - 0.025 / 0.25))
+    assert "regret" not in r.components and r.components["plateau"] == pytest.approx(0.9)
+    assert not designer_reward(cfg, {1: [1.0, 0.0]}, []).masked  # no play at the regeneration step: plateau only
+    assert designer_reward(cfg, {}, []).mask_reason == "no_plays"  # nothing played at all: still nothing to pay
+    # with hint plays the regret is still measured and logged, weighted 0
+    logged = designer_reward(cfg, {0: [1.0, 0.0]}, [1.0, 1.0])
+    assert logged.components["regret"] == pytest.approx(0.5) and logged.value == pytest.approx(0.6)
+    # a regret-weighted blend without hint plays stays masked: its regret term cannot be measured
+    assert designer_reward(CFG, {0: [1.0, 0.0]}, []).mask_reason == "no_plays"

@@ -282,13 +282,16 @@ def designer_reward(
 
     if cfg.variant in ("blend", "regret"):
         at_regen = agent_returns.get(0, ())
-        if not at_regen or not hint_returns:
+        if at_regen and hint_returns:
+            parts["regret"] = _mean(hint_returns) - _mean(at_regen)
+        elif cfg.variant == "regret" or cfg.regret_weight > 0:
             return DesignerReward(0.0, "no_plays", parts)
-        regret = _mean(hint_returns) - _mean(at_regen)
-        parts["regret"] = regret
+        # else a plateau-only blend (regret_weight 0, which the config lets run without hint plays)
+        regret = parts.get("regret", 0.0)
         if cfg.variant == "blend":
             parts["plateau"] = plateau(win_rate, cfg.plateau_lo, cfg.plateau_hi, cfg.plateau_ramp)
-            parts["regret_norm"] = normalized_regret(regret, cfg.regret_scale, cfg.regret_floor)
+            if "regret" in parts:
+                parts["regret_norm"] = normalized_regret(regret, cfg.regret_scale, cfg.regret_floor)
             value = blend(win_rate, regret, cfg)
         else:
             value = max(0.0, regret) if cfg.regret_floor else regret
