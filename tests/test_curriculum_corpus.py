@@ -248,3 +248,18 @@ def test_a_source_that_yields_no_documents_is_named(tmp_path: Path) -> None:
     good = src(write_jsonl(tmp_path / "d.jsonl", [{"body": text(i)} for i in range(3)]))
     with pytest.raises(CorpusError, match=r"curriculum.corpus.sources\[1\] \(.*empty\): no documents"):
         Corpus.build(CorpusConfig(sources=[good, src(tmp_path / "empty", format="text")], min_chars=10))
+
+
+def test_a_damaged_dataset_dict_or_a_folder_given_as_jsonl_is_named(tmp_path: Path) -> None:
+    # A DatasetDict folder whose dataset_dict.json was cut short, and a folder of JSONL shards given as one jsonl
+    # source: a CorpusError naming the file, not a raw JSONDecodeError / IsADirectoryError traceback.
+    for content in ("{\"splits\": [\"tra", "[1]", "{}", "\xff"):
+        folder = tmp_path / f"dd{len(content)}"
+        folder.mkdir()
+        (folder / "dataset_dict.json").write_text(content, encoding="latin-1")
+        with pytest.raises(CorpusError, match=rf"{folder.name}/dataset_dict.json: unreadable dataset state"):
+            list(load_source(src(folder)))
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "part-0.jsonl", RECORDS)
+    with pytest.raises(CorpusError, match=r"shards: cannot read it as a jsonl file \(.*directory.*\)"):
+        list(load_source(src(tmp_path / "shards", format="jsonl")))

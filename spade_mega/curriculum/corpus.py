@@ -72,7 +72,12 @@ def _field(record: Any, name: str, where: str) -> Any:
 def _records(source: CorpusSourceConfig, fmt: str, path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(location, record) pairs from a JSONL, Parquet or saved Hugging Face dataset."""
     if fmt == "jsonl":
-        with path.open("rb") as fh:
+        try:
+            fh = path.open("rb")
+        except OSError as exc:
+            raise CorpusError(f"{path}: cannot read it as a jsonl file ({exc.strerror}); give each .jsonl file as a "
+                              "source of its own") from None
+        with fh:
             for lineno, raw in enumerate(fh, 1):
                 try:
                     line = raw.decode("utf-8")
@@ -133,17 +138,29 @@ def _existing(path: Path, schema: Any, names: Sequence[str]) -> list[str]:
 def _arrow_files(path: Path, split: str | None) -> list[Path]:
     """The Arrow files of a ``Dataset.save_to_disk`` folder, or of one split (or all) of a ``DatasetDict``."""
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        splits = _dataset_state(path / "dataset_dict.json", "splits")
         if split is not None and split not in splits:
             raise CorpusError(f"{path}: no split {split!r} (splits: {', '.join(splits)})")
         return [f for s in ([split] if split else splits) for f in _arrow_files(path / s, None)]
     state = path / "state.json"
     if not state.is_file():
         raise CorpusError(f"{path}: not a dataset saved with save_to_disk (no state.json or dataset_dict.json)")
+    entries = _dataset_state(state, "_data_files")
     try:
-        return [path / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        return [path / entry["filename"] for entry in entries]
+    except (KeyError, TypeError) as exc:
         raise CorpusError(f"{state}: unreadable dataset state ({exc!r})") from None
+
+
+def _dataset_state(file: Path, key: str) -> Any:
+    """``key`` of a ``save_to_disk`` JSON file; a damaged file is a CorpusError naming it."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))[key]
+        if not isinstance(value, (list, dict)):
+            raise TypeError(f"{key} is a {type(value).__name__}")
+        return value
+    except (KeyError, TypeError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
+        raise CorpusError(f"{file}: unreadable dataset state ({exc!r})") from None
 
 
 def _arrow_batches(path: Path) -> Iterator[Any]:
