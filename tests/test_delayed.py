@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -136,6 +137,40 @@ def test_malformed_state_raises_state_error_and_leaves_the_buffer_alone() -> Non
         with pytest.raises(StateError, match=match):
             buf.load_state_dict(state)
     assert buf.state_dict() == good
+
+
+
+def test_what_add_accepts_a_checkpoint_restores_exactly_and_the_rest_is_refused_by_name() -> None:
+    # numpy values (tokens.numpy() straight from a tensor) are stored as plain numbers, so the state saves
+    buf = DelayedDesignerBuffer(CFG, delay=2)
+    s = sample("np", "env-a", 0)
+    s.token_ids = list(np.array(s.token_ids, dtype=np.int64))
+    s.behaviour_logprobs = list(np.array(s.behaviour_logprobs, dtype=np.float32))
+    s.metadata = {"document_id": "doc-1", "turns": (1, 2)}
+    buf.add(s)
+    s.token_ids[0] = -1  # the caller's object is not the buffer's copy
+    for dumps, loads in CODECS.values():
+        restored = DelayedDesignerBuffer(CFG, delay=2)
+        restored.load_state_dict(loads(dumps(buf.state_dict())))
+        assert restored.state_dict() == buf.state_dict()
+    stored = buf.state_dict()["pending"][0]
+    assert all(type(t) is int for t in stored["token_ids"]) and stored["token_ids"][0] != -1
+    assert all(type(x) is float for x in stored["behaviour_logprobs"]) and stored["metadata"]["turns"] == [1, 2]
+
+    # values a checkpoint would fail to write, or silently change, or fail to read back (losing every waiting sample)
+    before = buf.state_dict()
+    bad: list[tuple[str, dict, str]] = [
+        ("prompt-none", {"behaviour_logprobs": [None, None, -0.5, -0.1, -0.2, -0.3]}, "behaviour_logprobs"),
+        ("float-token", {"token_ids": [1, 2.7, 3, 4, 5, 6]}, "token_ids"),
+        ("str-token", {"token_ids": ["1", 2, 3, 4, 5, 6]}, "token_ids"),
+        ("half-mask", {"loss_mask": [0, 0.5, 1, 1, 1, 1]}, "loss_mask"),
+        ("set-metadata", {"metadata": {"tags": {"maze"}}}, "metadata"),
+        ("nan-metadata", {"metadata": {"score": float("nan")}}, "metadata"),
+    ]
+    for sample_id, fields, name in bad:
+        with pytest.raises(ValueError, match=f"designer sample '{sample_id}': {name}"):
+            buf.add(replace(sample(sample_id, "env-b", 0), **fields))
+    assert buf.state_dict() == before and "env-b" not in buf
 
 
 # --- resume in the middle of a simulated run -----------------------------------------------------------------------

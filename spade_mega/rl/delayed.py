@@ -15,7 +15,10 @@ environment whose ``step()`` timed out, then ``release(step)``.
 
 from __future__ import annotations
 
+import json
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -84,13 +87,46 @@ class DesignerSample:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DesignerSample":
-        sample = cls(sample_id=data["sample_id"], env_id=data["env_id"], skill=data["skill"], step=data["step"],
-                     policy_version=data["policy_version"], token_ids=[int(t) for t in data["token_ids"]],
-                     loss_mask=[int(m) for m in data["loss_mask"]],
-                     behaviour_logprobs=[float(x) for x in data["behaviour_logprobs"]],
-                     failure=data.get("failure"), metadata=dict(data.get("metadata") or {}))
+        """The one parse of a sample, for :meth:`DelayedDesignerBuffer.add` and a restored state alike: plain ints
+        and floats (numpy scalars converted, nothing truncated or guessed), metadata as JSON data."""
+        sid = data["sample_id"]
+        sample = cls(sample_id=sid, env_id=data["env_id"], skill=data["skill"], step=data["step"],
+                     policy_version=data["policy_version"], token_ids=_integers(data["token_ids"], "token_ids", sid),
+                     loss_mask=_integers(data["loss_mask"], "loss_mask", sid),
+                     behaviour_logprobs=_reals(data["behaviour_logprobs"], "behaviour_logprobs", sid),
+                     failure=data.get("failure"), metadata=_json_data(data.get("metadata") or {}, sid))
         sample.check()
         return sample
+
+
+def _integers(values: Sequence[Any], name: str, sample_id: Any) -> list[int]:
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(operator.index(v))  # numpy and torch integers too; never a float or string
+        except TypeError:
+            raise ValueError(f"designer sample {sample_id!r}: {name} must be integers, got {v!r} at position {i}") \
+                from None
+    return out
+
+
+def _reals(values: Sequence[Any], name: str, sample_id: Any) -> list[float]:
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"designer sample {sample_id!r}: {name} must be numbers (0.0 outside the loss mask), "
+                             f"got {v!r} at position {i}")
+    return [float(v) for v in values]
+
+
+def _json_data(metadata: Any, sample_id: Any) -> dict[str, Any]:
+    """A JSON copy of ``metadata``: what a checkpoint writes is what a resumed run reads back."""
+    try:
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"not a mapping: {type(metadata).__name__}")
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"designer sample {sample_id!r}: metadata must be JSON data (str keys, finite numbers, "
+                         f"strings, lists, dicts): {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -119,7 +155,9 @@ class DelayedDesignerBuffer:
         return env_id in self._plays
 
     def add(self, sample: DesignerSample) -> None:
-        sample.check()
+        """Keep a copy of ``sample`` parsed as a restored state is, so whatever is added saves and resumes exactly
+        (a value a checkpoint could not write or read back is refused here, by name, not at resume)."""
+        sample = DesignerSample.from_dict(sample.to_dict())
         if any(p.sample_id == sample.sample_id for p in self._pending):
             raise ValueError(f"designer sample {sample.sample_id!r} is already waiting in the buffer")
         self._pending.append(sample)
