@@ -32,8 +32,18 @@ class BatchError(SpadeError):
     """A training sample or batch that cannot be trained on (the message names the sample and the field)."""
 
 
+def _tensor(value: Any, name: str, index: Optional[int]) -> torch.Tensor:
+    """``value`` as a CPU tensor; what torch cannot convert (None, text, ragged lists) is named by sample and field."""
+    try:
+        return torch.as_tensor(value).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        where = f"sample {index}: " if index is not None else ""
+        kind = "None" if value is None else type(value).__name__
+        raise BatchError(f"{where}{name} must be a sequence of numbers, got {kind} ({exc})") from None
+
+
 def _as_1d(value: Any, dtype: torch.dtype, name: str, index: Optional[int]) -> torch.Tensor:
-    tensor = torch.as_tensor(value).detach().cpu()
+    tensor = _tensor(value, name, index)
     if tensor.dim() != 1:
         where = f"sample {index}: " if index is not None else ""
         raise BatchError(f"{where}{name} must be 1-D (one value per token), got shape {tuple(tensor.shape)}")
@@ -56,8 +66,9 @@ class TrainSample:
 
     def __post_init__(self) -> None:
         i = self.index
-        tokens = torch.as_tensor(self.tokens)
-        if tokens.is_floating_point() or tokens.is_complex():  # a cast would truncate 2.7 to token 2 silently
+        tokens = _tensor(self.tokens, "tokens", i)
+        # a cast would truncate 2.7 to token 2, or make a mask passed as tokens into tokens 0 and 1, silently
+        if tokens.numel() and (tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool):
             raise BatchError(f"{'' if i is None else f'sample {i}: '}tokens must be integer token ids, got "
                              f"{tokens.dtype}")
         self.tokens = _as_1d(tokens, torch.long, "tokens", i)
@@ -96,8 +107,13 @@ class TrainSample:
 
 def samples_from(records: Sequence[TrainSample]) -> list[TrainSample]:
     """Copy a batch, numbering each sample (its ``index``) by position."""
+    if isinstance(records, TrainSample):
+        raise BatchError("the batch must be a sequence of TrainSample, got one TrainSample (put it in a list)")
     if not records:
         raise BatchError("the batch is empty")
+    for i, s in enumerate(records):
+        if not isinstance(s, TrainSample):
+            raise BatchError(f"batch item {i} is a {type(s).__name__}, not a TrainSample")
     return [TrainSample(s.tokens, s.loss_mask, s.advantages, s.role, s.rollout_logprobs, s.old_logprobs, index=i)
             for i, s in enumerate(records)]
 

@@ -107,6 +107,15 @@ def test_packing_properties(lengths: list[int], budget: int, dp: int, multiple: 
     (lambda: TrainSample([-1, 2], [False, True], [0.0, 1.0]), "tokens must be >= 0"),
     (lambda: TrainSample([1.0, 2.7], [False, True], [0.0, 1.0]), "tokens must be integer token ids"),
     (lambda: TrainSample([1, 2], [False, True], [0.0, 1.0], role="judge"), "role must be one of"),
+    # values that are not a sequence of numbers: named, not torch's "Could not infer dtype of NoneType"
+    (lambda: TrainSample([1, 2], None, [0.0, 1.0]), "loss_mask must be a sequence of numbers, got None"),
+    (lambda: TrainSample([1, 2], [False, True], None), "advantages must be a sequence of numbers, got None"),
+    (lambda: TrainSample("hello", [False, True], [0.0, 1.0]), "tokens must be a sequence of numbers, got str"),
+    (lambda: TrainSample([[1, 2], [3]], [False, True], [0.0, 1.0]), "tokens must be a sequence of numbers"),
+    (lambda: TrainSample([1, 2**70], [False, True], [0.0, 1.0]), "tokens must be a sequence of numbers"),
+    (lambda: TrainSample([1, 2], [False, True], ["a", "b"]), "advantages must be a sequence of numbers"),
+    (lambda: TrainSample([], [], []), "at least 2 tokens"),  # not "integer token ids, got float32"
+    (lambda: TrainSample([True, False], [False, True], [0.0, 1.0]), "tokens must be integer token ids, got torch.bool"),
 ])
 def test_bad_samples_are_rejected_with_the_field_named(make, words: str) -> None:
     with pytest.raises(BatchError) as err:
@@ -119,6 +128,10 @@ def test_batch_level_errors() -> None:
         pack(samples_from([multi_turn(9)]), token_budget=8)
     with pytest.raises(BatchError, match="empty"):
         samples_from([])
+    with pytest.raises(BatchError, match="a sequence of TrainSample, got one TrainSample"):
+        samples_from(multi_turn(5))  # type: ignore[arg-type]
+    with pytest.raises(BatchError, match="batch item 1 is a dict, not a TrainSample"):
+        samples_from([multi_turn(5), {"tokens": [1, 2]}])  # type: ignore[list-item]
     mixed = samples_from([multi_turn(5), TrainSample([1, 2], [False, True], [0.0, 1.0])])
     with pytest.raises(BatchError, match="rollout_logprobs missing"):
         pack(mixed, token_budget=10)
