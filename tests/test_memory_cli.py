@@ -107,3 +107,21 @@ def test_a_damaged_database_is_one_line_naming_the_file(tmp_path: Path, capsys: 
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(db) in err and "damaged" in err and "integrity_check" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.sqlite"]  # no half-written export left behind
+
+
+def test_export_never_overwrites_a_database(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # `memory export -o mem/env.sqlite` (the database itself, its -wal, or another run's memory): replacing it with
+    # JSON lines would destroy the history the trainer writes into. Refused, one line, nothing touched.
+    db = run_dir / "mem" / "env.sqlite"
+    other = tmp_path / "other.sqlite"
+    EnvMemory(other).close()
+    with EnvMemory(db) as trainer:  # running: its -wal file exists
+        for target in (db, Path(str(db) + "-wal"), other):
+            before = target.read_bytes()
+            assert main(["memory", "export", "--run", str(run_dir), "-o", str(target)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "refusing to overwrite" in err and str(target) in err
+            assert target.read_bytes() == before
+        trainer.propose(EnvProgram(SOURCE, "a later hint", "logic"))
+    with EnvMemory(db, create=False) as mem:
+        assert len(mem) == 4

@@ -77,12 +77,26 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_database(target: Path, database: Path) -> None:
+    """An export replaces its target: never let that be the memory itself (or its WAL), or any SQLite file."""
+    live = {Path(str(database.resolve()) + suffix) for suffix in ("", "-wal", "-shm", "-journal")}
+    try:
+        with target.open("rb") as fh:
+            is_sqlite = fh.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        is_sqlite = False
+    if target.resolve() in live or is_sqlite:
+        raise EnvMemoryError(f"{target}: refusing to overwrite a database (or its WAL) with the export; give a new "
+                             "file name, e.g. memory.jsonl")
+
+
 def _export(args: argparse.Namespace) -> int:
     with _open(args) as memory:
         if args.output in (None, "-"):
             count = memory.export_jsonl(sys.stdout)
         else:
             target = Path(args.output)
+            _refuse_database(target, memory.path)
             tmp = target.with_name(target.name + ".tmp")
             try:
                 with tmp.open("w", encoding="utf-8") as out:
