@@ -10,7 +10,9 @@ implementation keeps these samples in process globals and loses them on resume.)
 
 Per step, in this order: ``add`` the new designer samples (regeneration steps), ``record_plays`` for every pending
 environment that was played (agent no-hint plays; hint plays at the regeneration step), ``mark_failed`` for an
-environment whose ``step()`` timed out, then ``release(step)``.
+environment whose ``step()`` timed out, then ``release(step)``. ``release`` removes what it returns, so save
+``state_dict()`` only between steps, with the model and optimizer of the same step: a state saved after ``release``
+but before the step that trains those samples has finished would resume without them.
 """
 
 from __future__ import annotations
