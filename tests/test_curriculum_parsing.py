@@ -288,3 +288,7 @@ def test_an_indented_fence_in_a_docstring_does_not_close_the_block() -> None:
     # A whole answer indented (as in a list item) still parses: the block closes at its own indentation.
     indented = "\n".join("    " + line if line else line for line in output().splitlines()) + "\n"
     assert parse_designer_output(indented, SKILLS).source == GOOD_SOURCE  # its indentation removed, as in CommonMark
+    # A fence indented alone keeps its lines as written (two-space code would otherwise lose its nesting).
+    two_spaces = GOOD_SOURCE.replace("    ", "  ")
+    text = f"<skill>logic</skill>\n<hint>h</hint>\n   ```python\n{two_spaces}   ```\n"
+    assert parse_designer_output(text, SKILLS).source == two_spaces

@@ -93,8 +93,8 @@ def _code_blocks(text: str) -> tuple[list[tuple[str, str]], str, bool]:
 
     As in CommonMark, a block closes only at a bare fence of the same character at least as long as the opening one,
     indented at most 3 columns more, so a program whose text holds ``` lines can be sent inside a ```` fence, and a
-    ``` line indented with the code (a docstring's example) stays program text. A fence indented by n spaces (a list
-    item) takes up to n leading spaces off each line of its block. Lines end only at \n, \r\n or \r, as in Python:
+    ``` line indented with the code (a docstring's example) stays program text. A fence indented by n spaces whose
+    lines all are too (a list item) takes those n spaces off them; otherwise the lines are kept as they are. Lines end only at \n, \r\n or \r, as in Python:
     a form feed or U+2028 inside a string literal is program text.
     """
     blocks, outside, body, lang, opening, indent = [], [], None, "", "", 0
@@ -108,10 +108,12 @@ def _code_blocks(text: str) -> tuple[list[tuple[str, str]], str, bool]:
                 outside.append(line)
         elif fence and not fence[2] and fence[1][0] == opening[0] and len(fence[1]) >= len(opening) \
                 and fence[0] <= indent + 3:
+            if indent and all(line.startswith(" " * indent) or not line.strip() for line in body):
+                body = [line[indent:] for line in body]
             blocks.append((lang, "\n".join(body) + "\n"))
             body = None
         else:
-            body.append(line[min(indent, len(line) - len(line.lstrip(" "))):])
+            body.append(line)
     return blocks, "\n".join(outside), body is None
 
 
