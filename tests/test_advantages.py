@@ -146,3 +146,14 @@ def test_designer_advantages_zero_mean_per_skill(batch, scale) -> None:
             assert adv[rows].mean().abs() < 1e-9
             expected = (rewards[rows] - rewards[rows].mean()) * scale
             assert torch.allclose(adv[rows], expected, atol=1e-9)
+
+
+def test_packed_sample_ids_are_positions_checked_on_loss_tokens_only() -> None:
+    adv = T([2.0, -1.0])
+    # padding tokens may carry any id (-1, or one past the last sample): they are outside the loss mask
+    out = token_advantages(adv, T([1, 1, 0, 1, 0]), sample_ids=T([0, 0, 2, 1, -1]))
+    assert out.tolist() == [2.0, 2.0, 0.0, -1.0, 0.0]
+    # labels that are not positions (as policy_loss accepts) are refused by name, not an IndexError
+    with pytest.raises(ValueError, match=r"sample_ids .*positions in advantages \(0\.\.1\).*\[10, 20\]"):
+        token_advantages(adv, T([1, 1, 0, 1]), sample_ids=T([10, 10, 10, 20]))
+    assert token_advantages(T([]), T([0, 0]), sample_ids=T([5, 5])).tolist() == [0.0, 0.0]

@@ -118,8 +118,9 @@ def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor,
     """Broadcast per-sample advantages to tokens; tokens outside the loss mask get 0.
 
     ``loss_mask`` is [batch, tokens] (row i is sample i), or packed [tokens] with ``sample_ids`` [tokens] giving each
-    token's sample. In multi-turn episodes the mask covers only the model's own tokens: the environment's observations
-    (and the prompt) are context, never trained on.
+    token's sample as its position in ``advantages`` (padding outside the mask may carry any id). In multi-turn
+    episodes the mask covers only the model's own tokens: the environment's observations (and the prompt) are
+    context, never trained on.
     """
     if loss_mask.dim() == 2:
         if sample_ids is not None:
@@ -130,7 +131,15 @@ def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor,
     elif loss_mask.dim() == 1:
         if sample_ids is None or sample_ids.shape != loss_mask.shape:
             raise ValueError("a packed (1-D) loss_mask needs sample_ids of the same shape")
-        per_token = advantages[sample_ids.long()]
+        live, ids = loss_mask.bool(), sample_ids.long()
+        n = advantages.shape[0]
+        bad = live & ((ids < 0) | (ids >= n))
+        if bad.any():
+            raise ValueError(f"sample_ids on loss tokens must be positions in advantages (0..{n - 1}), got "
+                             f"{ids[bad].unique()[:8].tolist()}")
+        if n == 0:  # nothing to train on: every token is outside the mask
+            return torch.zeros(loss_mask.shape, dtype=advantages.dtype, device=advantages.device)
+        per_token = advantages[torch.where(live, ids, torch.zeros_like(ids))]
     else:
         raise ValueError(f"loss_mask must be [batch, tokens] or packed [tokens], got shape {tuple(loss_mask.shape)}")
     return torch.where(loss_mask.bool(), per_token, torch.zeros_like(per_token))
