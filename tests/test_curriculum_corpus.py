@@ -263,3 +263,14 @@ def test_a_damaged_dataset_dict_or_a_folder_given_as_jsonl_is_named(tmp_path: Pa
     write_jsonl(tmp_path / "shards" / "part-0.jsonl", RECORDS)
     with pytest.raises(CorpusError, match=r"shards: cannot read it as a jsonl file \(.*directory.*\)"):
         list(load_source(src(tmp_path / "shards", format="jsonl")))
+
+
+def test_a_source_whose_documents_are_all_too_short_is_named(tmp_path: Path) -> None:
+    # text_field pointing at a title: every record is read and dropped as shorter than min_chars. The source then
+    # grounds nothing; the error must name it and say why, not leave a skill without its domain further on.
+    good = src(write_jsonl(tmp_path / "d.jsonl", [{"body": text(i)} for i in range(3)]), domain="maths")
+    titles = src(write_jsonl(tmp_path / "t.jsonl", [{"body": f"Title {i}"} for i in range(4)]), domain="science")
+    with pytest.raises(CorpusError, match=r"curriculum.corpus.sources\[1\] \(.*t.jsonl\): all 4 documents are "
+                                          r"shorter than min_chars \(50\)"):
+        Corpus.build(CorpusConfig(sources=[good, titles], min_chars=50))
+    assert len(Corpus.build(CorpusConfig(sources=[good, titles], min_chars=5))) == 7

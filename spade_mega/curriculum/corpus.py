@@ -262,7 +262,7 @@ class Corpus:
         buckets: dict[int, list[Any]] = {}
         for index, source in enumerate(cfg.sources):
             docs: Iterable[Document] = load_source(source)
-            read_before = stats.loaded
+            read_before, short_before = stats.loaded, stats.too_short
             if progress:
                 from rich.progress import track
 
@@ -293,6 +293,11 @@ class Corpus:
                 raise CorpusError(f"curriculum.corpus.sources[{index}] ({source.path}): no documents in this source "
                                   f"(text folders are searched for {', '.join(TEXT_SUFFIXES)} files); fix the path or "
                                   "remove the source")
+            if stats.too_short - short_before == stats.loaded - read_before:
+                raise CorpusError(f"curriculum.corpus.sources[{index}] ({source.path}): all "
+                                  f"{stats.loaded - read_before} documents are shorter than min_chars "
+                                  f"({cfg.min_chars}); is text_field ({source.text_field!r}) the field that holds the "
+                                  "text?")
         if not kept:
             raise CorpusError("curriculum.corpus.sources: no documents left after loading "
                               f"({stats.loaded} read, {stats.too_short} shorter than min_chars)")
