@@ -106,6 +106,20 @@ def test_missing_inputs_and_bad_shapes_are_clear_errors() -> None:
                     replace(CFG, loss_aggregation="seq-mean-token-mean"))
 
 
+def test_a_normalizer_below_the_calls_own_count_is_refused() -> None:
+    # the global count can never be below one call's count: a smaller one (a per-rank mean, a stale value) or NaN
+    # would silently scale this share up
+    lp, mask = T([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), T([[1, 1, 1], [1, 0, 0]])
+    for mode, local in (("token-mean", 4), ("seq-mean-token-sum", 2), ("seq-mean-token-mean", 2)):
+        cfg = replace(CFG, loss_aggregation=mode)
+        for bad in (local - 1, float("nan"), -1.0):
+            with pytest.raises(ValueError, match=f"normalizer .* below this call's own count {local}"):
+                policy_loss(lp, lp, lp + 1, mask, cfg, normalizer=bad)
+        assert policy_loss(lp, lp, lp + 1, mask, cfg, normalizer=local)[0].item() == pytest.approx(
+            policy_loss(lp, lp, lp + 1, mask, cfg)[0].item())
+    empty = T([[0, 0, 0]])
+    assert policy_loss(lp[:1], lp[:1], lp[:1], empty, CFG, normalizer=0)[0].item() == 0.0
+
 def test_bfloat16_inputs_are_upcast() -> None:
     lp = row(0.0, -1.0, dtype=torch.bfloat16).requires_grad_()
     loss, _ = policy_loss(lp, lp.detach(), row(1.0, -1.0, dtype=torch.bfloat16), row(1, 1), CFG)

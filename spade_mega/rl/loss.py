@@ -192,8 +192,12 @@ def policy_loss(
             per_token = per_token - cfg.entropy_coef * ent
         metrics["entropy"] = ent.detach()[mask].mean() if mask.any() else zero
 
-    norm = float(normalizer) if normalizer is not None else float(
-        loss_normalizer(loss_mask, cfg.loss_aggregation, sample_ids))
+    local = loss_normalizer(loss_mask, cfg.loss_aggregation, sample_ids)
+    norm = float(local) if normalizer is None else float(normalizer)
+    if not norm >= local:  # NaN too: the global count is a sum of every call's count
+        raise ValueError(f"normalizer {normalizer!r} is below this call's own count {local} "
+                         f"({cfg.loss_aggregation!r}); pass the count over the whole global batch: loss_normalizer "
+                         "summed over every micro-batch and data-parallel rank")
     if cfg.loss_aggregation == "seq-mean-token-mean":
         tokens_per_seg = _segment_sum(mask.to(dtype), seg, num_seg)
         weight_t = 1.0 / (tokens_per_seg[seg].clamp(min=1.0) * max(norm, 1.0))
