@@ -158,3 +158,18 @@ def test_a_damaged_saved_schedule_is_a_skill_error(damage) -> None:
     with pytest.raises(SkillError, match="saved skill schedule is damaged"):
         resumed.load_state_dict(state)
     assert resumed.cursor == 0 and resumed.rounds == 0  # left as it was
+
+
+def test_the_registry_is_a_collection_of_skill_names_the_parser_accepts() -> None:
+    # It has `in` and len(), so it reads as the parser's `skills` collection; iterating it went through __getitem__(0)
+    # and raised SkillError("unknown skill 0") out of the parser instead of an unknown_skill parse error.
+    from spade_mega.curriculum.parsing import DesignerParseError, ParseReason, parse_designer_output
+
+    registry = SkillRegistry([Skill(n, n) for n in SIX])
+    assert list(registry) == SIX and sorted(registry) == sorted(SIX)
+    body = "```python\nclass A:\n    def reset(self, seed):\n        return ''\n    def step(self, a):\n" \
+           "        return '', 0.0, True, False, {}\n```\n"
+    assert parse_designer_output(f"<skill>logic</skill><hint>h</hint>\n{body}", registry).skill == "logic"
+    with pytest.raises(DesignerParseError) as info:
+        parse_designer_output(f"<skill>poetry</skill><hint>h</hint>\n{body}", registry)
+    assert info.value.reason is ParseReason.UNKNOWN_SKILL and "tool_use" in str(info.value)

@@ -7,7 +7,7 @@ per-skill reward centring compares like with like. The scheduler's state is a cu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from spade_mega.config.schema import CurriculumConfig
 from spade_mega.errors import SpadeError
@@ -46,6 +46,10 @@ class SkillRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._skills
+
+    def __iter__(self) -> Iterator[str]:
+        """Skill names in order (without it, iteration fell back to ``__getitem__(0)``: "unknown skill 0")."""
+        return iter(self._skills)
 
     def __getitem__(self, name: str) -> Skill:
         try:
