@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
 
 
 T = TypeVar("T")
+log = logging.getLogger("spade_mega.megatron")
 
 
 class CheckpointError(SpadeError):
@@ -84,6 +86,9 @@ def find_latest(root: str | Path) -> Optional[Path]:
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: is a file, not a checkpoint folder: give a step_<N> folder or the folder "
+                              "holding them")
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not is_complete(path):
@@ -102,6 +107,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if type(step) is not int or step != int(_STEP_DIR.match(path.name).group(1)):  # type: ignore[union-attr]
         raise CheckpointError(f"{path / MANIFEST}: step {step!r} does not match the folder name {path.name} "
                               "(resuming orders checkpoints by it): a renamed copy? give it its step's name")
+    if not isinstance(manifest.get("architecture"), dict):
+        raise CheckpointError(f"{path / MANIFEST}: no model architecture recorded (an object of model fields), got "
+                              f"{manifest.get('architecture')!r}: not a manifest that save_checkpoint wrote")
     return manifest
 
 
@@ -304,6 +312,17 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
     return final
 
 
+def _note_schedule_changes(trainer: "Trainer", saved: dict[str, Any], path: Path) -> None:
+    """Say which values of the learning-rate schedule this run changes: the config's apply (Trainer's scheduler
+    overrides the checkpoint's), the checkpoint gives only the step count."""
+    current = trainer.scheduler.state_dict()
+    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items()
+               if k != "num_steps" and k in saved and saved[k] != v]
+    if changed and dist.get_rank() == 0:
+        log.warning("%s: this run's learning-rate schedule differs from the checkpoint's and replaces it from step "
+                    "%s: %s", path, saved.get("num_steps"), ", ".join(changed))
+
+
 def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Path) -> None:
     """Optimizer state loads into the kind of optimizer that saved it: the distributed optimizer's (per parameter,
     ``fully_reshardable``) into any layout, the non-distributed one's (Megatron's per-layout structure) into the
@@ -365,6 +384,8 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
             for optimizer in _chained(trainer.optimizer):
                 optimizer.optimizer.state.clear()
             trainer.optimizer.reload_model_params()
+        _note_schedule_changes(trainer, state["scheduler"], path)
+        trainer.scheduler.num_steps = 0  # Megatron's load adds the saved count to the current one (a rollback)
         trainer.scheduler.load_state_dict(state["scheduler"])
         trainer.step = int(state["step"])
     if trainer.step != manifest["step"]:

@@ -101,10 +101,14 @@ class Trainer:
             self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
         horizon = max(total_steps or cfg.selfplay.num_rollouts, opt.warmup_steps + 1)
+        # The schedule is this run's config; a checkpoint restores only how far along it is. Megatron's default
+        # took warmup, horizon and decay style from the checkpoint but the learning rates from the config, so a
+        # resumed run with more steps decayed to min_lr at the old horizon and trained no further.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps, lr_decay_steps=horizon, lr_decay_style=opt.lr_schedule,
-            start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=horizon, wd_incr_style="constant")
+            start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=horizon, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
         self.objective: Objective = select_objective(
             cfg.rl, cfg.kernels, cfg.rollout.temperature if temperature is None else temperature)
         self.step = 0

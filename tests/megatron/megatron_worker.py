@@ -8,6 +8,7 @@
              checkpoint and write its full weights (needs one process)
   grpo       one process: GRPO on "a+b=" (one-digit sums) for --steps steps, mean reward per step
   killsave   one process: a complete checkpoint, then a second save that the test kills
+  schedule   one process: a checkpoint loaded by a run configured with another learning-rate schedule
   compat     which CPU shims install, and their patched behaviours (JSON on stdout)
   single     one process: packing and loss normalisation invariances
   padding    any layout: the MoE load-balancing loss and gradients of a padded row against the unpadded row
@@ -184,6 +185,27 @@ def scenario_killsave(args) -> None:
     print("SAVED", flush=True)
 
 
+def scenario_schedule(args) -> None:
+    """One process: two updates under a cosine schedule over 4 steps, saved; a trainer configured with a linear
+    schedule over 12 steps and another learning rate loads it, takes a step and loads it again (a rollback): the
+    schedule and learning rate it continues with."""
+    from spade_mega.megatron import Trainer
+
+    first = Trainer(config(["optimizer.lr_schedule=cosine", "selfplay.num_rollouts=4", *args.overrides]))
+    for seed in (1, 2):
+        first.train_step(make_batch(seed))
+    first.save(str(args.out / "schedule"))
+    resumed = Trainer(config(["optimizer.lr_schedule=linear", "selfplay.num_rollouts=12", "optimizer.lr=5e-5",
+                              *args.overrides]))
+    resumed.load(str(args.out / "schedule"))
+    resumed.train_step(make_batch(3))
+    resumed.load(str(args.out / "schedule"))
+    scheduler = resumed.scheduler
+    write_json(args.out / "schedule.json", {
+        "num_steps": scheduler.num_steps, "lr_decay_steps": scheduler.lr_decay_steps,
+        "lr_decay_style": scheduler.lr_decay_style, "lr": resumed.optimizer.param_groups[0]["lr"]})
+
+
 def scenario_compat(args) -> None:
     """Which shims install (and the evidence), then whether each patched behaviour is right."""
     import numpy as np
@@ -354,8 +376,8 @@ def scenario_qwen3_30b(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "compat", "single",
-                                             "padding", "qwen3_30b"])
+    parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "schedule", "compat",
+                                             "single", "padding", "qwen3_30b"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")

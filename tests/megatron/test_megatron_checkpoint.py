@@ -198,3 +198,38 @@ def test_non_distributed_optimizer_resumes_in_its_layout_and_a_changed_optimizer
                           capture_output=True, text=True, env=worker_env(), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and "CheckpointError" in last and "optimizer.distributed" in last, last
+
+
+def test_a_resumed_run_follows_its_configured_learning_rate_schedule(tmp_path: Path) -> None:
+    """A run extended from 4 to 12 steps (and given another schedule and learning rate) continues on its own
+    schedule from the checkpoint's step, and says what changed. Megatron's default kept the checkpoint's horizon and
+    decay style (but the config's learning rate): the extended run decayed to min_lr at step 4 and stopped learning.
+    Loading again after a step (a rollback) puts the schedule back at the checkpoint's step: loading added the
+    checkpoint's step count to the trainer's own."""
+    from megatron_launch import read_json
+
+    proc = subprocess.run(worker_command(1, "schedule", tmp_path), capture_output=True, text=True, env=worker_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = read_json(tmp_path / "schedule.json")
+    assert (got["num_steps"], got["lr_decay_steps"], got["lr_decay_style"]) == (2, 12, "linear")
+    assert got["lr"] == pytest.approx(5e-5 * (1 - 2 / 12), rel=1e-9)  # linear decay over 12 steps, at step 2
+    assert "lr_decay_steps 4 -> 12" in proc.stderr and "lr_decay_style 'cosine' -> 'linear'" in proc.stderr
+
+
+def test_a_file_or_a_manifest_without_an_architecture_is_named(tmp_path: Path) -> None:
+    """A path to a file (a single-file checkpoint of another framework) is not 'no such folder'; a manifest whose
+    architecture is not an object is a CheckpointError, not an AttributeError from comparing it."""
+    from spade_mega.megatron.checkpoint import _resolve
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        read_manifest(_resolve(weights))
+    assert weights.read_bytes() == b"\0" * 16
+    step = tmp_path / "step_00000004"
+    step.mkdir()
+    for architecture in ("qwen3", None, [1, 2]):
+        (step / MANIFEST).write_text(json.dumps({"format": 1, "step": 4, "architecture": architecture}))
+        with pytest.raises(CheckpointError, match="no model architecture"):
+            read_manifest(step)
