@@ -245,9 +245,9 @@ def _architecture(trainer: "Trainer") -> dict[str, Any]:
 
 
 def _recover(root: Path) -> None:
-    """Tidy what a killed save left: partial folders go; a complete checkpoint set aside to be replaced by a save of
-    the same step comes back if its replacement never arrived."""
-    for stale in root.glob(".step_*.partial-*"):
+    """Tidy what a killed save left: partial folders and checkpoints half-deleted by ``keep`` go; a complete
+    checkpoint set aside to be replaced by a save of the same step comes back if its replacement never arrived."""
+    for stale in [*root.glob(".step_*.partial-*"), *root.glob(".step_*.pruned-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     for replaced in root.glob(".step_*.replaced-*"):
         original = root / replaced.name[1:].split(".replaced-")[0]
@@ -259,18 +259,24 @@ def _recover(root: Path) -> None:
 
 def _prune(root: Path, keep: int, saved: Path) -> None:
     """Delete all but the ``keep`` highest-step complete checkpoints, never ``saved`` (the one just written: a run
-    continued from an earlier step writes below the steps of the run it replaced)."""
+    continued from an earlier step writes below the steps of the run it replaced). Each is renamed out of the
+    checkpoints first, so a save killed while deleting one leaves no step folder with its manifest but not its data."""
     complete = sorted((p for p in root.iterdir() if p.is_dir() and is_complete(p)),
                       key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
     for old in complete[:-keep] if keep > 0 else []:
         if old != saved:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = root / f".{old.name}.pruned-{uuid.uuid4().hex[:12]}"
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
     """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
 
     ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints."""
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep must be >= 1 (the checkpoint just saved is always kept; None keeps all), "
+                              f"got {keep}")
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -340,7 +346,7 @@ def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Pa
                               "layout loads)")
 
 
-_SAVE_IN_PROGRESS = re.compile(r"^\.step_\d+\.(partial|replaced)-")
+_SAVE_IN_PROGRESS = re.compile(r"^\.step_\d+\.(partial|replaced|pruned)-")
 
 
 def _resolve(path: Path) -> Path:

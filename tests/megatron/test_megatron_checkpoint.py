@@ -233,3 +233,42 @@ def test_a_file_or_a_manifest_without_an_architecture_is_named(tmp_path: Path) -
         (step / MANIFEST).write_text(json.dumps({"format": 1, "step": 4, "architecture": architecture}))
         with pytest.raises(CheckpointError, match="no model architecture"):
             read_manifest(step)
+
+
+def test_a_save_killed_while_pruning_leaves_no_damaged_checkpoint_that_looks_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep=N deletes old checkpoints; killed midway through deleting one (its data gone, its manifest not yet), the
+    folder must not stay a step_<N> folder with a manifest, which loading would take for a complete checkpoint."""
+    from spade_mega.megatron import checkpoint
+    from spade_mega.megatron.checkpoint import _prune, _recover, step_dir
+
+    for step in (1, 2):
+        step_dir(tmp_path, step).mkdir()
+        (step_dir(tmp_path, step) / "__0_0.distcp").write_bytes(b"weights")
+        (step_dir(tmp_path, step) / MANIFEST).write_text(json.dumps({"format": 1, "step": step}))
+
+    def killed_after_the_data(path: Path, ignore_errors: bool = False) -> None:
+        for data in Path(path).glob("*.distcp"):
+            data.unlink()
+        raise KeyboardInterrupt  # stands for the SIGKILL: nothing after this runs
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_after_the_data)
+    with pytest.raises(KeyboardInterrupt):
+        _prune(tmp_path, 1, step_dir(tmp_path, 2))
+    monkeypatch.undo()
+    complete = [p.name for p in tmp_path.iterdir() if is_complete(p)]
+    assert complete == ["step_00000002"]
+    assert (step_dir(tmp_path, 2) / "__0_0.distcp").read_bytes() == b"weights"
+    _recover(tmp_path)  # the next save finishes the deletion
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keeping_fewer_than_one_checkpoint_is_refused_before_anything_is_written(tmp_path: Path, keep: int) -> None:
+    """keep=0 kept every checkpoint (a full disk later), though it reads as 'keep none': refused, nothing written
+    (the check comes before the trainer is touched, so none is needed here)."""
+    from spade_mega.megatron.checkpoint import save_checkpoint
+
+    with pytest.raises(CheckpointError, match=f"keep must be >= 1.*got {keep}"):
+        save_checkpoint(None, tmp_path / "ckpt", keep=keep)  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists()
