@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import time
@@ -270,6 +271,18 @@ def _prune(root: Path, keep: int, saved: Path) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _in_process_write_results() -> None:
+    """Megatron's synchronous save runs its asynchronous writer in this process, collecting the write results
+    through a queue that it creates, on a process's first save, as a multiprocessing Manager started by 'spawn'.
+    Spawn re-imports the main module: a training script with its code at top level ran again in that helper, and the
+    save failed with a bare EOFError, or under torchrun hung for ever (the re-run joined the job). Our saves are
+    synchronous (the writes and the read-back happen in this process), so a plain queue serves and no helper starts."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
     """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
 
@@ -291,6 +304,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
 
     partial = _on_rank0(start, root)
     with_optimizer = _optimizer_has_state(trainer)
+    _in_process_write_results()
     with _writing(root):
         dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer),
                                 str(partial))

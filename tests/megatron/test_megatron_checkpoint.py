@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -272,3 +273,23 @@ def test_keeping_fewer_than_one_checkpoint_is_refused_before_anything_is_written
     with pytest.raises(CheckpointError, match=f"keep must be >= 1.*got {keep}"):
         save_checkpoint(None, tmp_path / "ckpt", keep=keep)  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_script_without_a_main_guard_can_save(tmp_path: Path) -> None:
+    """Megatron's writer started a multiprocessing Manager by 'spawn' on a process's first save, which re-imports the
+    main module: a training script with its code at top level ran again in it, and the save failed with a bare
+    EOFError (one process) or hung for ever (under torchrun, the re-run joined the job). Saves now need no helper
+    process."""
+    script = tmp_path / "train_unguarded.py"
+    script.write_text(f"""import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from megatron_worker import config
+from spade_mega.megatron import Trainer
+
+print("SAVED", Trainer(config([])).save({str(tmp_path / "ckpt")!r}), flush=True)
+""")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=worker_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert find_latest(tmp_path / "ckpt") == tmp_path / "ckpt" / "step_00000000"
+    assert proc.stdout.count("SAVED") == 1  # the script ran once
