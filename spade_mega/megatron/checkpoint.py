@@ -5,8 +5,8 @@ Atomic: every rank writes into ``root/.step_<N>.partial-<id>``; once all ranks a
 ``spade_checkpoint.json``, fsyncs the files and renames the folder to ``root/step_<N>``. A folder is a checkpoint only
 if it has that name *and* the manifest, so a save killed at any point leaves either nothing new or a hidden partial
 folder that loading refuses and the next save removes (a same-step checkpoint being replaced is set aside, not
-deleted, until its replacement is in place). The newest checkpoint is found by scanning (no ``latest``
-pointer that could disagree with the folders).
+deleted, until its replacement is in place; a step folder without a manifest, which no save wrote, is never
+replaced). The newest checkpoint is found by scanning (no ``latest`` pointer that could disagree with the folders).
 
 The optimizer state is saved ``fully_reshardable`` (per parameter, not as Megatron's internal flat buffers), which is
 what lets a different layout load it; before the first update there is no optimizer state and only the model is saved.
@@ -298,6 +298,9 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
     def start() -> Path:
         root.mkdir(parents=True, exist_ok=True)
         _recover(root)
+        if (final.exists() or final.is_symlink()) and not (final.is_dir() and is_complete(final)):
+            raise CheckpointError(f"{final}: exists but is not a complete checkpoint (no {MANIFEST}), so no save "
+                                  "wrote it; a save replaces only its own checkpoints: move it away or save elsewhere")
         partial = root / f".{final.name}.partial-{uuid.uuid4().hex[:12]}"
         partial.mkdir()
         return partial

@@ -293,3 +293,18 @@ print("SAVED", Trainer(config([])).save({str(tmp_path / "ckpt")!r}), flush=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert find_latest(tmp_path / "ckpt") == tmp_path / "ckpt" / "step_00000000"
     assert proc.stdout.count("SAVED") == 1  # the script ran once
+
+
+def test_a_save_never_deletes_a_step_folder_it_did_not_write(tmp_path: Path) -> None:
+    """A step_<N> folder without a manifest (a copy still arriving, another tool's output) is not a checkpoint this
+    code wrote; a save of step N used to set it aside and delete it. Refused, naming it, before anything is written."""
+    foreign = tmp_path / "init" / "step_00000000"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    proc = subprocess.run(worker_command(1, "reference", tmp_path), capture_output=True, text=True,
+                          env=worker_env(), timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "CheckpointError: " in last and str(foreign) in last and "not a complete checkpoint" in last, last
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "init").iterdir()) == ["step_00000000"]  # no partial folder either
