@@ -267,7 +267,10 @@ def _prune(root: Path, keep: int, saved: Path) -> None:
     for old in complete[:-keep] if keep > 0 else []:
         if old != saved:
             doomed = root / f".{old.name}.pruned-{uuid.uuid4().hex[:12]}"
-            os.rename(old, doomed)
+            try:  # best effort, like the deletion: the new checkpoint is already in place
+                os.rename(old, doomed)
+            except OSError:
+                continue
             shutil.rmtree(doomed, ignore_errors=True)
 
 
