@@ -191,3 +191,35 @@ def test_the_long_library_programs_validate_under_the_reference_config(pool: San
     assert [(n, r.reason, r.detail) for (n, _), r in zip(long, reports) if not r.ok] == []
     assert max(r.max_turns for r in reports) == 66  # fog_maze at its hardest: its episodes are cut at 25 turns
     assert all(r.horizon == min(r.max_turns, cfg.rollout.max_turns) for r in reports)
+
+
+DICE = textwrap.dedent("""
+    import random
+
+    class Dice:
+        max_turns = 10
+
+        def reset(self, seed):
+            self.rng = random.Random(seed)
+            self.total, self.turn = 0, 0
+            return "Say roll to roll the die, or hold to stop. Reach a total of 12."
+
+        def step(self, action):
+            self.turn += 1
+            if action.strip() in ("roll", "hold"):
+                self.total += random.randint(1, 6)  # the bug: the global RNG, seeded differently in every process
+            if self.total >= 12:
+                return f"Total {self.total}. You win.", 1.0, True, False, {}
+            return f"Total {self.total}.", 0.0, False, self.turn >= self.max_turns, {}
+""")
+
+
+def test_random_action_episodes_are_checked_for_determinism_too(pool: SandboxPool) -> None:
+    # The fixed probe never says 'roll' or 'hold', so only the random-action episodes reach the global RNG; an agent
+    # would at once, and its episodes from one seed would differ from worker to worker.
+    report = Validator(pool).validate(program(DICE))
+    assert report.reason == Reason.NONDETERMINISTIC_EPISODE, report
+    assert "the random-action episode from seed 2 went differently in the two workers" in report.detail
+    fixed = Validator(pool).validate(program(DICE.replace("random.randint(1, 6)", "self.rng.randint(1, 6)")))
+    assert fixed.ok, fixed.detail
+    assert len(fixed.stats["random_turns"]) == ValidationConfig().random_episodes

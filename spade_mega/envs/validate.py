@@ -5,7 +5,8 @@ The checks, in order (the first failure decides the reason):
 1. syntax, then the module loads and defines exactly one environment class with a sane ``max_turns``;
 2. ``reset(seed)`` returns a str, and the same str in two fresh workers;
 3. a fixed action sequence played from that seed in both workers gives the same digest (and the same again when
-   replayed in the first worker, so no state leaks from one episode into the next);
+   replayed in the first worker, so no state leaks from one episode into the next); so does each random-action
+   episode of check 5, played from its own seed in both workers (its actions reach code the fixed probe does not);
 4. every step returns the contract types, with a finite reward inside ``[validation.reward_min, reward_max]``;
 5. the episode ends within ``max_turns`` under a random-action policy and under a repeated-action policy;
 6. throughout, every call stays within the sandbox's per-call deadline and output limit, and all the episodes together
@@ -203,13 +204,21 @@ class Validator:
         if replay[:2] != first[0][:2]:
             raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"replaying seed {cfg.seed} in the same worker gave a "
                                                             "different episode: state leaks between episodes")
-        rngs = [random.Random(f"{cfg.seed}:{k}") for k in range(cfg.random_episodes)]
         lengths = []
-        for start in range(0, cfg.random_episodes, 2):
-            batch = [(handles[k % 2], cfg.seed + 1 + start + k) for k in range(min(2, cfg.random_episodes - start))]
-            for _, _, turns in self._episodes(batch, lambda k, obs, turn: _random_action(rngs[start + k], obs),
-                                              horizon, budget, policy_name="random"):
-                lengths.append(turns)
+        for k in range(cfg.random_episodes):  # each in both workers: actions an agent would try reach more code
+            seed, rngs = cfg.seed + 1 + k, [random.Random(f"{cfg.seed}:{k}") for _ in handles]
+            played = self._episodes([(a, seed), (b, seed)], lambda j, obs, turn: _random_action(rngs[j], obs),
+                                    horizon, budget, policy_name="random")
+            if played[0][0] != played[1][0]:
+                raise Rejected(Reason.NONDETERMINISTIC_RESET, f"reset({seed}) gave different observations in the "
+                                                              f"two workers: {_clip(played[0][0])} vs "
+                                                              f"{_clip(played[1][0])}")
+            if played[0][1] != played[1][1]:
+                raise Rejected(Reason.NONDETERMINISTIC_EPISODE, f"the random-action episode from seed {seed} went "
+                                                                "differently in the two workers (randomness not "
+                                                                "drawn from the seed, or state leaking between "
+                                                                "episodes)")
+            lengths.append(played[0][2])
         repeated = self._episodes([(a, cfg.seed), (b, cfg.seed + 1)],
                                   lambda k, obs, turn: (PROBE_ACTIONS[0], "")[k], horizon, budget,
                                   policy_name="repeated-action")
