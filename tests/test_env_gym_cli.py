@@ -86,6 +86,12 @@ def test_env_validate_missing_file_is_one_clear_error() -> None:
     assert proc.returncode == 2 and proc.stderr.strip() == "spade-mega: error: nowhere.py: no such file"
 
 
+def test_env_play_seed_out_of_range_is_one_clear_error(guess_file: Path) -> None:
+    proc = cli("env", "play", str(guess_file), "--seed", str(2**64), *STRICT_TEST_USER, stdin="50\n")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"spade-mega: error: --seed must be in [-2**63, 2**64 - 1] (the sandbox's 64-bit seeds), got {2**64}")
+
+
 def test_env_play_reads_actions_and_prints_observations_and_rewards(guess_file: Path) -> None:
     # seed 1 hides 18, so 50 is wrong; the second action is not a number.
     proc = cli("env", "play", str(guess_file), "--seed", "1", *STRICT_TEST_USER, stdin="50\nnot a number\n")

@@ -148,6 +148,17 @@ def test_the_time_budget_must_be_positive() -> None:
         ValidationConfig(time_budget_s=0).check()
 
 
+def test_the_seed_must_leave_room_for_every_validation_episode() -> None:
+    # Episodes run from validation.seed to seed + random_episodes, and the sandbox takes 64-bit seeds: a seed past
+    # that crashed validation with a TypeError out of the sandbox pool instead of naming the setting.
+    ValidationConfig(seed=-2**63).check()
+    ValidationConfig(seed=2**64 - 3, random_episodes=2).check()
+    for seed in (2**64 - 2, -2**63 - 1, 10**30):
+        with pytest.raises(ConfigError, match=r"validation.seed: must be in \[-2\*\*63, 2\*\*64 - 1 - "
+                                              r"validation.random_episodes\]"):
+            ValidationConfig(seed=seed).check()
+
+
 def marathon(ends: bool) -> str:
     """A 40-turn program that ends at its max_turns (``ends``) or never."""
     return textwrap.dedent(f"""

@@ -435,6 +435,9 @@ class ValidationConfig:
         _require(self.reward_min < self.reward_max, "validation.reward_max",
                  f"must be > validation.reward_min ({self.reward_min}), got {self.reward_max}")
         _positive("validation", self, "max_turns_limit", "random_episodes", "concurrency", "time_budget_s")
+        # episodes run from seed to seed + random_episodes, and the sandbox takes seeds that fit in 64 bits
+        _require(-2**63 <= self.seed <= 2**64 - 1 - self.random_episodes, "validation.seed",
+                 f"must be in [-2**63, 2**64 - 1 - validation.random_episodes], got {self.seed}")
 
 
 @dataclass

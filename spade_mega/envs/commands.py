@@ -77,6 +77,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _play(args: argparse.Namespace) -> int:
     from spade_mega.envs.sandbox import SandboxPool
 
+    if not -2**63 <= args.seed <= 2**64 - 1:
+        raise SpadeError(f"--seed must be in [-2**63, 2**64 - 1] (the sandbox's 64-bit seeds), got {args.seed}")
     cfg: SpadeConfig = load_config(args.config, args.overrides)
     program = _read_program(args.file, args)
     sandbox = dataclasses.replace(cfg.sandbox, warm_workers=1)
