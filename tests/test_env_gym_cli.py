@@ -104,6 +104,23 @@ def test_env_play_reads_actions_and_prints_observations_and_rewards(guess_file: 
     assert out[6] == "[stopped after 2 turns, return +0.000]"
 
 
+def test_env_play_stops_where_training_stops_an_episode(tmp_path: Path) -> None:
+    # A program that never ends its episodes: play truncates it at its max_turns, or earlier at the rollout's limit,
+    # as the gymnasium adapter and the rollout do, instead of reading actions past every turn an agent would get.
+    path = tmp_path / "forever.py"
+    path.write_text("class Forever:\n    max_turns = 3\n    def reset(self, seed):\n        return 'go'\n"
+                    "    def step(self, action):\n        return 'again', 0.5, False, False, {}\n")
+    proc = cli("env", "play", str(path), *STRICT_TEST_USER, stdin="a\nb\nc\nd\ne\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[-1] == "[episode truncated after 3 turns (max_turns), return +1.500]" and out.count("again") == 3
+    proc = cli("env", "play", str(path), "-s", "rollout.max_turns=2", *STRICT_TEST_USER, stdin="a\nb\nc\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == "[Forever, max_turns 3 (the rollout plays 2), seed 0; one action per line, end of input quits]"
+    assert out[-1] == "[episode truncated after 2 turns (rollout.max_turns), return +1.000]"
+
+
 def test_env_play_ends_with_the_episode_and_shows_program_output(tmp_path: Path) -> None:
     path = tmp_path / "echo.py"
     path.write_text("class Echo:\n    max_turns = 1\n    def reset(self, seed):\n        return 'say it'\n"

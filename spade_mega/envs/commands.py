@@ -84,7 +84,11 @@ def _play(args: argparse.Namespace) -> int:
     sandbox = dataclasses.replace(cfg.sandbox, warm_workers=1)
     interactive = sys.stdin.isatty()
     with SandboxPool(sandbox) as pool, pool.open(program) as env:
-        print(f"[{env.class_name}, max_turns {env.max_turns}, seed {args.seed}; one action per line, "
+        # an episode ends where training ends it: at max_turns, or earlier at the rollout's turn limit
+        horizon = min(env.max_turns, cfg.rollout.max_turns)
+        limit = "max_turns" if horizon == env.max_turns else "rollout.max_turns"
+        cut = f" (the rollout plays {horizon})" if horizon < env.max_turns else ""
+        print(f"[{env.class_name}, max_turns {env.max_turns}{cut}, seed {args.seed}; one action per line, "
               f"end of input quits]")
         print(env.reset(args.seed))
         _show_output(env.last_output)
@@ -105,6 +109,9 @@ def _play(args: argparse.Namespace) -> int:
             if terminated or truncated:
                 print(f"[episode {'terminated' if terminated else 'truncated'} after {turns} turns, "
                       f"return {total:+.3f}]")
+                return 0
+            if turns >= horizon:
+                print(f"[episode truncated after {turns} turns ({limit}), return {total:+.3f}]")
                 return 0
 
 
@@ -133,7 +140,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     validate.set_defaults(func=_validate)
     play = actions.add_parser("play", help="play an environment program: one action per line",
                               description="Reset the program with --seed, then read one action per line from "
-                                          "standard input and print each observation and reward.")
+                                          "standard input and print each observation and reward, until the "
+                                          "episode ends (at the latest at max_turns or rollout.max_turns, as in "
+                                          "training).")
     play.add_argument("file", metavar="FILE", help="environment program (.py)")
     play.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     _add_common(play)
