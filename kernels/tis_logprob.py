@@ -341,7 +341,24 @@ class TisLogprobFunction(torch.autograd.Function):
         grad = logits_grad(logits, tokens, lse, entropy if with_entropy else None, coef_lp.contiguous(),
                            None if coef_ent is None else coef_ent.contiguous(), vocab_start, temperature,
                            use_kernels, block_v)
+        if torch.is_grad_enabled():  # create_graph=True: this gradient depends on the logits, but not through autograd
+            grad = _FirstOrderOnly.apply(grad.detach(), logits)
         return (grad,) + (None,) * 15
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes the logits gradient through and refuses to be differentiated: a second derivative (a gradient
+    penalty, a Hessian-vector product) fails loudly instead of coming out zero or missing terms.
+    (``once_differentiable`` would not: it fires only when an incoming gradient requires grad.)"""
+
+    @staticmethod
+    def forward(ctx, grad, logits):  # the logits only tie the output into their graph
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("tis_logprob has no second derivative: its gradient on the logits is computed by hand, "
+                           "so double backward (create_graph=True through it) is not supported")
 
 
 def tis_logprob(logits: torch.Tensor, tokens: torch.Tensor, old_logprobs: Optional[torch.Tensor] = None,

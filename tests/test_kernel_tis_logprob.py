@@ -226,3 +226,14 @@ def test_bad_arguments_are_named() -> None:
         op.tis_logprob(logits, tokens, torch.zeros(4))
     with pytest.raises(ValueError, match="advantages has shape"):
         op.tis_logprob(logits, tokens, torch.zeros(4), torch.zeros(5))
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "reference"])
+def test_double_backward_is_refused_not_silently_wrong(gen, use_kernels) -> None:
+    """The backward is written by hand and is not itself differentiable: a second derivative (a gradient penalty,
+    a Hessian-vector product) must fail loudly rather than come out zero (kernel) or wrong (reference)."""
+    b = make_batch(gen, n_tokens=4, vocab=40, dtype=torch.float32)
+    logits, res = run_op(b, with_rollout=True, with_entropy=True, use_kernels=use_kernels)
+    (g,) = torch.autograd.grad(res.loss.sum() + res.entropy.sum(), logits, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad((g * g).sum(), logits)
