@@ -378,6 +378,11 @@ def tis_logprob(logits: torch.Tensor, tokens: torch.Tensor, old_logprobs: Option
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 <= eps_clip_low < 1.0 or not eps_clip_high >= 0.0:
+        raise ValueError(f"eps_clip_low must be in [0, 1) and eps_clip_high >= 0, got {eps_clip_low}, {eps_clip_high}")
+    if not 0.0 <= tis_clip_low <= tis_clip or not tis_clip > 0.0:
+        raise ValueError(f"needs 0 <= tis_clip_low <= tis_clip and tis_clip > 0, got tis_clip_low {tis_clip_low}, "
+                         f"tis_clip {tis_clip}")
     if (old_logprobs is None) != (advantages is None):
         raise ValueError("old_logprobs and advantages go together: give both for the loss, or neither")
     if rollout_logprobs is not None and old_logprobs is None:

@@ -226,6 +226,11 @@ def test_bad_arguments_are_named() -> None:
         op.tis_logprob(logits, tokens, torch.zeros(4))
     with pytest.raises(ValueError, match="advantages has shape"):
         op.tis_logprob(logits, tokens, torch.zeros(4), torch.zeros(5))
+    old, adv = torch.zeros(4), torch.zeros(4)
+    for bad, name in ((dict(tis_clip=0.0), "tis_clip"), (dict(tis_clip_low=3.0), "tis_clip_low"),
+                      (dict(eps_clip_low=1.0), "eps_clip_low"), (dict(eps_clip_high=-0.1), "eps_clip_high")):
+        with pytest.raises(ValueError, match=name):
+            op.tis_logprob(logits, tokens, old, adv, rollout_logprobs=old, **bad)
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "reference"])
