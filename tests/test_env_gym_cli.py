@@ -81,6 +81,15 @@ def test_env_validate_plays_as_far_as_the_rollout_and_says_so(guess_file: Path) 
     assert "GuessNumber, max_turns 8 (the rollout plays 5)," in proc.stdout.splitlines()[0]
 
 
+def test_env_validate_reads_a_file_saved_with_a_byte_order_mark(tmp_path: Path) -> None:
+    # Editors on Windows save UTF-8 with a BOM, and python runs such a file; it was rejected as a syntax error
+    path = tmp_path / "guess_bom.py"
+    path.write_bytes(b"\xef\xbb\xbf" + GUESS_NUMBER.encode())
+    proc = cli("env", "validate", str(path), *STRICT_TEST_USER)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok") and "GuessNumber, max_turns 8" in proc.stdout
+
+
 def test_env_validate_missing_file_is_one_clear_error() -> None:
     proc = cli("env", "validate", "nowhere.py")
     assert proc.returncode == 2 and proc.stderr.strip() == "spade-mega: error: nowhere.py: no such file"

@@ -35,7 +35,7 @@ def _read_program(path: str, args: argparse.Namespace) -> EnvProgram:
     if file.suffix != ".py":
         raise SpadeError(f"{path}: an environment program is a .py file")
     try:
-        source = file.read_text(encoding="utf-8")
+        source = file.read_text(encoding="utf-8-sig")  # a leading byte-order mark is no part of the program
     except FileNotFoundError:
         raise SpadeError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
