@@ -234,3 +234,23 @@ def test_random_action_episodes_are_checked_for_determinism_too(pool: SandboxPoo
     fixed = Validator(pool).validate(program(DICE.replace("random.randint(1, 6)", "self.rng.randint(1, 6)")))
     assert fixed.ok, fixed.detail
     assert len(fixed.stats["random_turns"]) == ValidationConfig().random_episodes
+
+
+def test_a_max_turns_drawn_when_the_module_loads_is_refused(pool: SandboxPool) -> None:
+    # Every worker loads the module afresh, so each would truncate the episodes at a turn of its own; past the
+    # rollout's 25 turns nothing in the episodes showed it, and a worker drawing 12 played 25 turns unchecked.
+    source = textwrap.dedent("""
+        import random
+
+        class Drifting:
+            max_turns = random.randint(30, 10**6)
+
+            def reset(self, seed):
+                return "Walk."
+
+            def step(self, action):
+                return "Still walking.", 0.0, False, False, {}
+    """)
+    report = Validator(pool, ValidationConfig(max_turns_limit=10**6), rollout_turns=25).validate(program(source))
+    assert report.reason == Reason.BAD_MAX_TURNS, report
+    assert "Drifting.max_turns is" in report.detail and "in the other fresh worker" in report.detail

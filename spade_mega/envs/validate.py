@@ -2,7 +2,8 @@
 
 The checks, in order (the first failure decides the reason):
 
-1. syntax, then the module loads and defines exactly one environment class with a sane ``max_turns``;
+1. syntax, then the module loads and defines exactly one environment class with a sane ``max_turns``, the same in
+   two fresh workers;
 2. ``reset(seed)`` returns a str, and the same str in two fresh workers;
 3. a fixed action sequence played from that seed in both workers gives the same digest (and the same again when
    replayed in the first worker, so no state leaks from one episode into the next); so does each random-action
@@ -190,6 +191,10 @@ class Validator:
         if a.max_turns > cfg.max_turns_limit:
             raise Rejected(Reason.BAD_MAX_TURNS, f"{a.class_name}.max_turns is {a.max_turns}, over "
                                                  f"validation.max_turns_limit ({cfg.max_turns_limit})")
+        if (b.class_name, b.max_turns) != (a.class_name, a.max_turns):  # each worker loads the module afresh
+            raise Rejected(Reason.BAD_MAX_TURNS, f"{a.class_name}.max_turns is {a.max_turns} in one fresh worker and "
+                                                 f"{b.class_name}.max_turns {b.max_turns} in the other fresh worker: "
+                                                 "it must be the same constant whenever the module loads")
         horizon = report.horizon = min(a.max_turns, self.rollout_turns or a.max_turns)
         budget = _Budget(cfg.time_budget_s, horizon)
         probe = [PROBE_ACTIONS[i % len(PROBE_ACTIONS)] for i in range(horizon)]
