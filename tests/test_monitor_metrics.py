@@ -210,3 +210,22 @@ def test_resume_after_a_record_that_lost_only_its_newline(tmp_path: Path) -> Non
         logger.log(3, {"agent/return": 3.0})
     assert steps_values(tmp_path / METRICS_FILE, "agent/return") == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert not list(tmp_path.glob("metrics.aside-*"))
+
+
+def test_a_value_no_float_holds_is_refused_and_such_a_line_never_blocks_a_resume(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, CFG) as logger:
+        logger.log(1, {"train/tokens": 7})
+        with pytest.raises(MetricError, match="'train/tokens'.*too large"):
+            logger.log(2, {"train/tokens": 10 ** 400})  # would be written, then break every later resume
+        with pytest.raises(MetricError, match="too large"):
+            logger.log(2, {"train/tokens": 10 ** 5000})  # past the digits Python turns into text
+    huge, deep = b'{"step":2,"time":2.0,"train/tokens":' + b"9" * 400 + b"}", b"[" * 100_000 + b"]" * 100_000
+    longest = b'{"step":2,"time":2.0,"train/tokens":' + b"9" * 5000 + b"}"
+    with open(tmp_path / METRICS_FILE, "ab") as f:
+        f.write(huge + b"\n" + deep + b"\n" + longest + b"\n")  # another tool's or a hand edit's lines
+    problems = {line.number: line.problems for line in scan(tmp_path / METRICS_FILE)}
+    assert "too large" in problems[2][0] and "nested" in problems[3][0] and "digits" in problems[4][0]
+    with MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, gpu_stats=False), resume_step=2) as logger:
+        logger.log(3, {"train/tokens": 9})
+    assert steps_values(tmp_path / METRICS_FILE, "train/tokens") == [(1, 7.0), (3, 9.0)]
+    assert (tmp_path / "metrics.aside-1.jsonl").read_bytes() == deep + b"\n" + longest + b"\n"  # verbatim

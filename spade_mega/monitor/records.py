@@ -51,6 +51,11 @@ def to_number(name: str, value: object) -> float | int:
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, numbers.Integral):
+        try:
+            float(value)  # every reader (TensorBoard, the report, a resume) takes it as a float
+        except OverflowError:
+            raise MetricError(f"metric {name!r}: an integer of {int(value).bit_length()} bits is too large for "
+                              "a float; log it as a float (inf) or scaled down") from None
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
@@ -92,7 +97,7 @@ def _decode_value(value: Any) -> Optional[float]:
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)):
-        return float(value)
+        return float(value)  # an int too large for a float raises OverflowError: parse_line says so
     if value is None:
         return math.nan
     if isinstance(value, str) and value in _NON_FINITE:
@@ -110,6 +115,12 @@ def parse_line(number: int, raw: bytes) -> Line:
     except json.JSONDecodeError as exc:
         line.problems.append(f"not valid JSON ({exc.msg} at column {exc.colno}; a record cut short by a crash?)")
         return line
+    except RecursionError:
+        line.problems.append("not a record (JSON nested too deeply to read)")
+        return line
+    except ValueError as exc:  # an integer literal past Python's digit limit
+        line.problems.append(f"not a record ({exc})")
+        return line
     if not isinstance(data, dict):
         line.problems.append(f"not a JSON object (got {type(data).__name__})")
         return line
@@ -119,12 +130,19 @@ def parse_line(number: int, raw: bytes) -> Line:
         return line
     metrics = {}
     for name, value in data.items():
-        number_ = _decode_value(value)
+        try:
+            number_ = _decode_value(value)
+        except OverflowError:
+            line.problems.append(f"metric {name!r} is too large for a float ({value.bit_length()} bits); value skipped")
+            continue
         if number_ is None:
             line.problems.append(f"metric {name!r} is not a number (got {value!r:.40}); value skipped")
         else:
             metrics[name] = number_
-    wall = float(time) if isinstance(time, (int, float)) and not isinstance(time, bool) else math.nan
+    try:
+        wall = float(time) if isinstance(time, (int, float)) and not isinstance(time, bool) else math.nan
+    except OverflowError:
+        wall = math.nan
     line.record = Record(step, wall, metrics)
     return line
 
