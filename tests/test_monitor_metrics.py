@@ -229,3 +229,31 @@ def test_a_value_no_float_holds_is_refused_and_such_a_line_never_blocks_a_resume
         logger.log(3, {"train/tokens": 9})
     assert steps_values(tmp_path / METRICS_FILE, "train/tokens") == [(1, 7.0), (3, 9.0)]
     assert (tmp_path / "metrics.aside-1.jsonl").read_bytes() == deep + b"\n" + longest + b"\n"  # verbatim
+
+
+SECOND_LAUNCH = textwrap.dedent("""
+    import sys
+    from spade_mega.config.schema import LoggingConfig
+    from spade_mega.monitor import MetricsLogger
+
+    with MetricsLogger(sys.argv[1], LoggingConfig(gpu_stats=False), resume_step=1) as logger:
+        logger.log(2, {"agent/return": -1.0})
+""")
+
+
+def test_a_second_process_on_a_live_run_directory_is_refused(tmp_path: Path) -> None:
+    """A run launched twice (or a SLURM requeue while the old job still runs): the second one's resume replaced
+    metrics.jsonl under the first, whose later records went to the replaced file and were lost."""
+    with MetricsLogger(tmp_path, CFG) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"agent/return": float(step)})
+        proc = subprocess.run([sys.executable, "-c", SECOND_LAUNCH, str(tmp_path)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0 and "MetricError" in proc.stderr and "another process" in proc.stderr
+        logger.log(4, {"agent/return": 4.0})
+    assert steps_values(tmp_path / METRICS_FILE, "agent/return") == [(s, float(s)) for s in range(1, 5)]
+    assert not list(tmp_path.glob("metrics.aside-*"))
+    proc = subprocess.run([sys.executable, "-c", SECOND_LAUNCH, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # once the first has closed, a resume goes ahead
+    assert proc.returncode == 0, proc.stderr
+    assert steps_values(tmp_path / METRICS_FILE, "agent/return") == [(1, 1.0), (2, -1.0)]

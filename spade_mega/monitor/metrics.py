@@ -7,14 +7,21 @@ Resume: a run continued from the checkpoint of step S keeps the records up to S.
 interrupted run after its last checkpoint) and lines that do not parse are moved, verbatim, to a side file
 ``metrics.aside-<k>.jsonl``, and TensorBoard is told to hide events from step S+1 on (``purge_step``), so neither shows
 two interleaved curves. A new run (no ``resume_step``) in a directory that holds metrics sets all of them aside.
+
+One writer per run directory: the writing rank holds an advisory lock (``flock``) on the directory while its logger is
+open, so a second launch of the same run refuses to start instead of setting aside (replacing) the file the first is
+still appending to. Where the file system refuses ``flock``, the run goes on unlocked, said in the log.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Mapping, Optional, Protocol
@@ -46,6 +53,24 @@ def _aside_path(path: Path) -> Path:
     while (target := path.with_name(f"{path.stem}.aside-{k}{path.suffix}")).exists():
         k += 1
     return target
+
+
+def _lock_run_dir(run_dir: Path) -> Optional[int]:
+    """An exclusive ``flock`` on the run directory (released when the fd closes or the process dies, even by kill
+    -9); None where the file system has no ``flock``."""
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise MetricError(f"{run_dir}: another process is logging this run's metrics (the same run launched "
+                              "twice, or a job requeued while the old one still runs); stop it first, or give "
+                              "this run another run.name") from None
+        log.info("%s: cannot lock the run directory (%s); a second launch of this run would not be detected",
+                 run_dir, exc)
+        return None
+    return fd
 
 
 class JsonlSink:
@@ -138,15 +163,22 @@ class MetricsLogger:
         self._last_step: Optional[int] = None
         self._pending_step: Optional[int] = None
         self._pending: dict[str, float | int] = {}
+        self._unlock: Optional[weakref.finalize] = None
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.jsonl:
-            jsonl = JsonlSink(self.run_dir / METRICS_FILE, resume_step)
-            self._last_step = jsonl.last_step
-            self._sinks.append(jsonl)
-        if cfg.tensorboard:
-            self._sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, resume_step))
+        lock = _lock_run_dir(self.run_dir)
+        self._unlock = weakref.finalize(self, os.close, lock) if lock is not None else None
+        try:
+            if cfg.jsonl:
+                jsonl = JsonlSink(self.run_dir / METRICS_FILE, resume_step)
+                self._last_step = jsonl.last_step
+                self._sinks.append(jsonl)
+            if cfg.tensorboard:
+                self._sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, resume_step))
+        except BaseException:
+            self.close()  # a sink that failed to start leaves the directory unlocked for the next try
+            raise
         if cfg.gpu_stats:
             self._gpu = GpuStats()
 
@@ -192,6 +224,8 @@ class MetricsLogger:
             self._sinks = []
             if self._gpu is not None:
                 self._gpu.close()
+            if self._unlock is not None:
+                self._unlock()
 
     def __enter__(self) -> "MetricsLogger":
         return self
