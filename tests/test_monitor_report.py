@@ -112,3 +112,22 @@ def test_smoothing_skips_non_finite_values() -> None:
     assert math.isnan(smooth([math.nan, 1.0], 0.5)[0]) and smooth([math.nan, 1.0], 0.5)[1] == pytest.approx(1.0)
     rising = smooth([float(i) for i in range(100)], 0.9)
     assert all(a < b for a, b in zip(rising, rising[1:])) and rising[-1] < 99  # follows the trend, lags behind
+
+
+def test_odd_lines_and_an_unwritable_target_never_end_in_a_traceback(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / METRICS_FILE).write_bytes(b'{"step":1,"time":1.0,"agent/return":0.5,"agent/\\ud800":1.0}\n'
+                                     b'{"step":2,"time":2.0,"agent/return":0.7,"<b>x</b>/\\"y":2.0}\n')
+    assert cli.main(["report", str(run)]) == 0  # a name that is not text (a lone surrogate) crashed the plotting
+    captured = capsys.readouterr()
+    assert "line 1: metric name 'agent/\\ud800' is not valid text" in captured.err
+    page = (run / "report.html").read_text(encoding="utf-8")
+    assert "<td>&lt;b&gt;x&lt;/b&gt;/&quot;y</td>" in page and "<b>x</b>" not in page  # names are escaped
+    target = tmp_path / "a-file"
+    target.write_text("not a folder")
+    assert cli.main(["report", str(run), "--out", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(target) in err[0] and "cannot write the report" in err[0]
+    assert target.read_text() == "not a folder"

@@ -131,6 +131,11 @@ def parse_line(number: int, raw: bytes) -> Line:
     metrics = {}
     for name, value in data.items():
         try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: no page or plot can show it
+            line.problems.append(f"metric name {name!r} is not valid text; value skipped")
+            continue
+        try:
             number_ = _decode_value(value)
         except OverflowError:
             line.problems.append(f"metric {name!r} is too large for a float ({value.bit_length()} bits); value skipped")

@@ -234,6 +234,14 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     """Write ``report.html`` and ``plots/<group>.png`` into ``out_dir`` (default: the run directory)."""
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run.run_dir
+    try:
+        return _write_report(run, out)
+    except OSError as exc:
+        raise SpadeError(f"{out}: cannot write the report there ({exc.strerror or exc}); give --out a folder "
+                         "you can write to") from exc
+
+
+def _write_report(run: Run, out: Path) -> Report:
     (out / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
     metrics = run.metrics()
     groups: dict[str, dict[str, Series]] = defaultdict(dict)
