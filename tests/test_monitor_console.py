@@ -158,3 +158,29 @@ def test_progress_metrics_must_be_metric_names() -> None:
         == ["agent/return", "gpu/0/power_w"]
     with pytest.raises(ConfigError, match=r"logging\.progress_metrics\[1\].*group/name"):
         load_config(None, ["logging.progress_metrics=[agent/return, loss]"])
+
+
+def test_a_driver_that_fails_after_init_costs_no_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """NVML that starts but cannot count its GPUs (a GPU lost from the bus, a driver being reloaded). No driver runs
+    on this machine, so a stand-in pynvml module plays that driver: it raised NVMLError out of MetricsLogger.log,
+    losing the record being written and stopping the run."""
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    def lost() -> int:
+        raise NVMLError("Unknown Error")
+
+    nvml = types.ModuleType("pynvml")
+    nvml.NVMLError, nvml.nvmlDeviceGetCount = NVMLError, lost
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", nvml)
+    caplog.set_level(logging.INFO, logger="spade_mega.monitor")
+    with MetricsLogger(tmp_path, LoggingConfig(gpu_stats=True, tensorboard=False)) as logger:
+        for step in (1, 2):
+            logger.log(step, {"agent/return": 1.0})
+    assert [line.record.metrics for line in scan(tmp_path / METRICS_FILE)] == [{"agent/return": 1.0}] * 2
+    said = [r.getMessage() for r in caplog.records if "GPU stats" in r.getMessage()]
+    assert len(said) == 1 and "Unknown Error" in said[0]

@@ -1,7 +1,8 @@
 """GPU stats from NVML (``nvidia-ml-py``, imported lazily) as ``gpu/<index>/...`` metrics.
 
 Every GPU NVML sees on this node is sampled (NVML ignores ``CUDA_VISIBLE_DEVICES``, so the writing rank reports the
-whole node). Without a driver or library, NVML raises at init: the stats degrade to nothing, said once in the log.
+whole node). Without a driver or library, NVML raises at init (or when listing the GPUs): the stats degrade to
+nothing, said once in the log.
 A query a GPU does not support (power on some boards, anything on a MIG slice) leaves out just that metric.
 """
 
@@ -62,8 +63,16 @@ class GpuStats:
             return self._disable("nvidia-ml-py is not installed (pip install nvidia-ml-py)")
         except pynvml.NVMLError as exc:
             return self._disable(f"NVML is unavailable ({exc}: no NVIDIA driver on this machine?)")
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:  # started, then could not count: a lost GPU, a driver being reloaded
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError:
+                pass
+            return self._disable(f"NVML cannot list the GPUs ({exc})")
         self._nvml = pynvml
-        for index in range(pynvml.nvmlDeviceGetCount()):
+        for index in range(count):
             try:
                 self._handles.append((index, pynvml.nvmlDeviceGetHandleByIndex(index)))
             except pynvml.NVMLError as exc:
