@@ -213,25 +213,26 @@ DICE = textwrap.dedent("""
         def reset(self, seed):
             self.rng = random.Random(seed)
             self.total, self.turn = 0, 0
-            return "Say roll to roll the die, or hold to stop. Reach a total of 12."
+            return "Spin the wheel: say roll, or hold. Reach a total of 3."
 
         def step(self, action):
             self.turn += 1
             if action.strip() in ("roll", "hold"):
-                self.total += random.randint(1, 6)  # the bug: the global RNG, seeded differently in every process
-            if self.total >= 12:
-                return f"Total {self.total}. You win.", 1.0, True, False, {}
-            return f"Total {self.total}.", 0.0, False, self.turn >= self.max_turns, {}
+                self.total += random.uniform(0, 1)  # the bug: the global RNG, seeded differently in every process
+            if self.total >= 3:
+                return f"Total {self.total:.6f}. You win.", 1.0, True, False, {}
+            return f"Total {self.total:.6f}. Say roll or hold.", 0.0, False, self.turn >= self.max_turns, {}
 """)
 
 
 def test_random_action_episodes_are_checked_for_determinism_too(pool: SandboxPool) -> None:
     # The fixed probe never says 'roll' or 'hold', so only the random-action episodes reach the global RNG; an agent
-    # would at once, and its episodes from one seed would differ from worker to worker.
+    # would at once, and its episodes from one seed would differ from worker to worker (a draw from [0, 1) shown to
+    # six places, so two workers agree by chance about once in a million).
     report = Validator(pool).validate(program(DICE))
     assert report.reason == Reason.NONDETERMINISTIC_EPISODE, report
     assert "the random-action episode from seed 2 went differently in the two workers" in report.detail
-    fixed = Validator(pool).validate(program(DICE.replace("random.randint(1, 6)", "self.rng.randint(1, 6)")))
+    fixed = Validator(pool).validate(program(DICE.replace("random.uniform", "self.rng.uniform")))
     assert fixed.ok, fixed.detail
     assert len(fixed.stats["random_turns"]) == ValidationConfig().random_episodes
 
