@@ -52,6 +52,26 @@ def test_gymnasium_env_checker_accepts_a_sandboxed_program() -> None:
         env.close()  # idempotent, as gymnasium expects
 
 
+def test_gymnasium_env_checker_accepts_observations_in_any_script() -> None:
+    # An observation is any str (the contract); one in Japanese, with an emoji or a carriage return failed
+    # gymnasium's checker ('not within the observation space'), whose charset stopped below U+3000
+    source = ("class Weather:\n    max_turns = 2\n    def reset(self, seed):\n"
+              "        return '\u6c17\u6e29\u306f 21 \u5ea6 \\U0001f321\\r\\n'\n"
+              "    def step(self, action):\n        return '\u2713 \\x1b[1mdone\\x1b[0m', 1.0, True, False, {}\n")
+    with strict_pool(warm_workers=1) as pool:
+        env = SandboxEnv(source, pool=pool)
+        try:
+            check_env(env, skip_render_check=True)
+            observation, _ = env.reset(seed=0)
+            assert observation == "\u6c17\u6e29\u306f 21 \u5ea6 \U0001f321\r\n"
+            assert env.observation_space.contains(observation)
+            assert env.observation_space.contains(env.step("x")[0])
+            assert not env.observation_space.contains(b"bytes") and not env.observation_space.contains(7)
+            assert env.observation_space.contains(env.observation_space.sample())
+        finally:
+            env.close()
+
+
 def test_gymnasium_make_builds_one_with_its_own_pool_and_truncates_at_max_turns() -> None:
     source = "class Forever:\n    max_turns = 3\n    def reset(self, seed):\n        return 'go'\n" \
              "    def step(self, action):\n        return 'again', 0.0, False, False, {}\n"

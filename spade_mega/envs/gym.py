@@ -19,8 +19,18 @@ from spade_mega.envs.sandbox import SandboxPool
 
 ENV_ID = "spade_mega/EnvProgram-v0"
 ACTION_CHARSET = frozenset(string.printable)
-# Observations are free text: every printable character of the Basic Multilingual Plane below CJK, plus newline/tab.
+# What observation_space.sample() draws from: every printable character of the Basic Multilingual Plane below CJK,
+# plus newline/tab. Membership takes any str (see FreeText).
 OBSERVATION_CHARSET = frozenset(c for c in map(chr, range(0x20, 0x3000)) if c.isprintable()) | frozenset("\n\t")
+
+
+class FreeText(spaces.Text):
+    """A Text space whose members are all strs of an allowed length, in any script: an observation is any str (the
+    program contract), and a charset of all of Unicode would be a set of 1.1 million characters. ``sample()`` still
+    draws from ``charset``."""
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
 
 
 class SandboxEnv(gymnasium.Env[str, str]):
@@ -49,8 +59,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
             raise
         self.max_turns = self.handle.max_turns
         self.render_mode = render_mode
-        self.observation_space = spaces.Text(self.pool.cfg.reply_limit_kb << 10, min_length=0,
-                                             charset=OBSERVATION_CHARSET)
+        self.observation_space = FreeText(self.pool.cfg.reply_limit_kb << 10, min_length=0, charset=OBSERVATION_CHARSET)
         self.action_space = spaces.Text(max_action_chars, min_length=0, charset=ACTION_CHARSET)
         self._observation = ""
         self._turn = 0
