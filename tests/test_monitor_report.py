@@ -131,3 +131,16 @@ def test_odd_lines_and_an_unwritable_target_never_end_in_a_traceback(tmp_path: P
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(target) in err[0] and "cannot write the report" in err[0]
     assert target.read_text() == "not a folder"
+
+
+def test_a_metric_logged_once_is_drawn(tmp_path: Path) -> None:
+    """An evaluation logged at one step only: a line through one point draws nothing, so its panel was empty."""
+    with MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, gpu_stats=False)) as logger:
+        for step in range(1, 101):
+            logger.log(step, {"train/loss": 1 / step, **({"eval/aime": 0.3} if step == 50 else {})})
+    assert cli.main(["report", str(tmp_path)]) == 0
+    with Image.open(tmp_path / "plots" / "eval.png") as image:
+        pixels = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    line_colour = (0x1F, 0x77, 0xB4)  # matplotlib's C0, the first series
+    assert sum(n for n, rgb in pixels if all(abs(a - b) < 40 for a, b in zip(rgb, line_colour))) >= 10
+    assert "<td>eval/aime</td><td>1</td>" in (tmp_path / "report.html").read_text()
