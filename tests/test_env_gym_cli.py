@@ -150,6 +150,19 @@ def test_env_play_stops_where_training_stops_an_episode(tmp_path: Path) -> None:
     assert out[-1] == "[episode truncated after 2 turns (rollout.max_turns), return +1.000]"
 
 
+def test_env_play_shows_what_a_failing_program_printed_and_where_it_failed(tmp_path: Path) -> None:
+    path = tmp_path / "boom.py"
+    path.write_text("class Boom:\n    max_turns = 3\n    def reset(self, seed):\n        return 'go'\n"
+                    "    def step(self, action):\n        print('debug: got', action)\n"
+                    "        if action == 'b':\n            raise ValueError('kaboom')\n"
+                    "        return 'fine', 0.0, False, False, {}\n")
+    proc = cli("env", "play", str(path), *STRICT_TEST_USER, stdin="a\nb\n")
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines()[-1] == "| debug: got b"  # the program's own trace of the failing call
+    assert proc.stderr.strip() == (f"spade-mega: error: {path}: the program failed at step 2 (action 'b'): "
+                                   "ValueError: kaboom (line 8, in step)")
+
+
 def test_env_play_ends_with_the_episode_and_shows_program_output(tmp_path: Path) -> None:
     path = tmp_path / "echo.py"
     path.write_text("class Echo:\n    max_turns = 1\n    def reset(self, seed):\n        return 'say it'\n"

@@ -12,11 +12,15 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from spade_mega.config.loader import load_config
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.envs.program import EnvProgram
 from spade_mega.errors import SpadeError
+
+if TYPE_CHECKING:
+    from spade_mega.envs.sandbox import SandboxError
 
 REJECTED = 1
 
@@ -75,7 +79,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _play(args: argparse.Namespace) -> int:
-    from spade_mega.envs.sandbox import SandboxPool
+    from spade_mega.envs.sandbox import SandboxError, SandboxPool
 
     if not -2**63 <= args.seed <= 2**64 - 1:
         raise SpadeError(f"--seed must be in [-2**63, 2**64 - 1] (the sandbox's 64-bit seeds), got {args.seed}")
@@ -90,7 +94,10 @@ def _play(args: argparse.Namespace) -> int:
         cut = f" (the rollout plays {horizon})" if horizon < env.max_turns else ""
         print(f"[{env.class_name}, max_turns {env.max_turns}{cut}, seed {args.seed}; one action per line, "
               f"end of input quits]")
-        print(env.reset(args.seed))
+        try:
+            print(env.reset(args.seed))
+        except SandboxError as error:
+            _failed(args.file, f"reset({args.seed})", error)
         _show_output(env.last_output)
         total, turns = 0.0, 0
         while True:
@@ -100,7 +107,11 @@ def _play(args: argparse.Namespace) -> int:
             if not line:
                 print(f"[stopped after {turns} turns, return {total:+.3f}]")
                 return 0
-            observation, reward, terminated, truncated, info = env.step(line.rstrip("\n"))
+            action = line.rstrip("\n")
+            try:
+                observation, reward, terminated, truncated, info = env.step(action)
+            except SandboxError as error:
+                _failed(args.file, f"step {turns + 1} (action {action!r})", error)
             turns += 1
             total += reward
             _show_output(env.last_output)
@@ -113,6 +124,12 @@ def _play(args: argparse.Namespace) -> int:
             if turns >= horizon:
                 print(f"[episode truncated after {turns} turns ({limit}), return {total:+.3f}]")
                 return 0
+
+
+def _failed(path: str, call: str, error: SandboxError) -> NoReturn:
+    """Show what the program printed during the failing call, then end with one line saying where it failed."""
+    _show_output(error.output)
+    raise SpadeError(f"{path}: the program failed at {call}: {error}") from None
 
 
 def _show_output(output: str) -> None:
