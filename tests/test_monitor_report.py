@@ -144,3 +144,16 @@ def test_a_metric_logged_once_is_drawn(tmp_path: Path) -> None:
     line_colour = (0x1F, 0x77, 0xB4)  # matplotlib's C0, the first series
     assert sum(n for n, rgb in pixels if all(abs(a - b) < 40 for a, b in zip(rgb, line_colour))) >= 10
     assert "<td>eval/aime</td><td>1</td>" in (tmp_path / "report.html").read_text()
+
+
+def test_values_near_the_float_limit_are_marked_not_fatal(tmp_path: Path) -> None:
+    """A sentinel such as sys.float_info.max next to ordinary values: matplotlib cannot size an axis whose span
+    overflows ('arange: cannot compute length'), which ended the whole report."""
+    with MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, gpu_stats=False)) as logger:
+        for step, value in enumerate([0.5, sys.float_info.max, 0.25, -sys.float_info.max, 0.125], start=1):
+            logger.log(step, {"train/loss": value, "agent/return": 0.5})
+    assert cli.main(["report", str(tmp_path)]) == 0
+    with Image.open(tmp_path / "plots" / "train.png") as image:
+        image.verify()
+    page = (tmp_path / "report.html").read_text()
+    assert "<td>train/loss</td><td>5</td><td></td><td>0.5</td><td>0.125</td><td>-1.798e+308</td>" in page

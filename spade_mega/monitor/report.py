@@ -27,6 +27,7 @@ from spade_mega.monitor.records import METRICS_FILE, Record, scan
 REPORT_FILE, PLOTS_DIR = "report.html", "plots"
 GROUP_ORDER = ("agent", "designer", "envs", "train", "perf", "gpu")
 SPARSE = 50  # a series with fewer values is drawn with a marker at each
+OFF_SCALE = 1e300  # beyond this an axis's span can overflow a float, which matplotlib cannot draw
 # which way is better, from the metric's last name part; anything else gets no "best"
 _HIGHER = re.compile(r"return|reward|win_rate|valid_rate|accuracy|solve|tokens_per_s|throughput")
 _LOWER = re.compile(r"loss|error|invalid|timeout|latency|(^|_)time(_|$)|_seconds$")  # checked first
@@ -129,17 +130,17 @@ def plot_group(group: str, metrics: dict[str, Series]) -> bytes:
         non_finite = 0
         for i, (label, series) in enumerate(sorted(lines.items(), key=lambda kv: (len(kv[0]), kv[0]))):
             color = f"C{i % 10}"
-            raw = [v if math.isfinite(v) else math.nan for v in series.values]
+            raw = [v if math.isfinite(v) and abs(v) <= OFF_SCALE else math.nan for v in series.values]
             ax.plot(series.steps, raw, color=color, alpha=0.25, linewidth=0.8)
             # a sparse metric (an evaluation now and then) shows its points: a line through one point draws nothing
-            ax.plot(series.steps, smooth(series.values, _weight(len(series.values))), color=color,
+            ax.plot(series.steps, smooth(raw, _weight(len(series.values))), color=color,
                     linewidth=1.6, label=f"{group}/{label}" if label else None,
                     marker="o" if len(series.values) < SPARSE else None, markersize=3.5)
-            bad = [s for s, v in zip(series.steps, series.values) if not math.isfinite(v)]
+            bad = [s for s, v in zip(series.steps, raw) if not math.isfinite(v)]
             non_finite += len(bad)
-            # NaN/inf steps as red crosses along the bottom edge (x in data, y in axes coordinates)
+            # NaN/inf (and off-scale) steps as red crosses along the bottom edge (x in data, y in axes coordinates)
             ax.plot(bad, [0.03] * len(bad), "x", color="red", markersize=5, transform=ax.get_xaxis_transform())
-        ax.set_title(panel + (f"  ({non_finite} non-finite: red x)" if non_finite else ""), fontsize=10)
+        ax.set_title(panel + (f"  ({non_finite} non-finite or off-scale: red x)" if non_finite else ""), fontsize=10)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
         if len(lines) > 1:
