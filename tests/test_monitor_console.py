@@ -101,8 +101,9 @@ def test_other_ranks_print_nothing() -> None:
     assert out.getvalue() == ""
 
 
-def _on_a_terminal(cfg: LoggingConfig, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a short progress on a real pseudo-terminal; what the terminal received."""
+def _on_a_terminal(cfg: LoggingConfig, monkeypatch: pytest.MonkeyPatch, each_step=lambda step: None) -> str:
+    """Run a short progress on a real pseudo-terminal (calling ``each_step`` before each update); what the terminal
+    received."""
     monkeypatch.setenv("TERM", "xterm-256color")
     monkeypatch.setenv("COLUMNS", "100")  # rich sizes itself from the standard streams, which are not this terminal
     for name in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
@@ -111,6 +112,7 @@ def _on_a_terminal(cfg: LoggingConfig, monkeypatch: pytest.MonkeyPatch) -> str:
     with os.fdopen(slave, "w") as terminal:
         with RunProgress(3, "steps", cfg=cfg, stream=terminal) as bar:
             for step in range(1, 4):
+                each_step(step)
                 bar.update(step, {"agent/return": 0.5})
     os.set_blocking(master, False)
     received = b""
@@ -132,6 +134,25 @@ def test_a_terminal_gets_a_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None
 def test_progress_false_prints_plain_lines_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     shown = _on_a_terminal(LoggingConfig(progress=False), monkeypatch)
     assert "━" not in shown and "steps 3/3 (100%)" in shown
+
+
+def test_log_lines_go_above_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console handler writes to the stderr of the moment, which the bar takes over while it shows: a handler
+    holding the stderr it was made with wrote past the bar, gluing each log line to a stale copy of it."""
+    logger = logging.getLogger("spade_mega")
+    level, handlers = logger.level, list(logger.handlers)
+    try:
+        setup_logging(LoggingConfig(level="info"), rank=0)
+        shown = _on_a_terminal(LoggingConfig(), monkeypatch,
+                               lambda step: logging.getLogger("spade_mega.test").info("checkpoint %d saved", step))
+    finally:
+        for handler in logger.handlers[len(handlers):]:
+            logger.removeHandler(handler)
+        logger.setLevel(level)
+    for step in (1, 2, 3):
+        before, found, _ = shown.partition(f"checkpoint {step} saved")
+        assert found and "━" not in before.replace("\n", "\r").rsplit("\r", 1)[-1]  # its own line, not after a bar
+    assert "3/3" in shown.rsplit("checkpoint 3 saved", 1)[1]  # the bar is drawn again below
 
 
 def test_console_logging_per_rank_is_set_once() -> None:
