@@ -257,3 +257,13 @@ def test_a_second_process_on_a_live_run_directory_is_refused(tmp_path: Path) -> 
                           text=True, timeout=120)  # once the first has closed, a resume goes ahead
     assert proc.returncode == 0, proc.stderr
     assert steps_values(tmp_path / METRICS_FILE, "agent/return") == [(1, 1.0), (2, -1.0)]
+
+
+def test_a_logger_that_failed_to_start_leaves_the_run_directory_unlocked(tmp_path: Path) -> None:
+    (tmp_path / METRICS_FILE).mkdir()  # a folder where the metrics file goes: the JSONL sink cannot start
+    with pytest.raises(IsADirectoryError) as info:
+        MetricsLogger(tmp_path, CFG)
+    (tmp_path / METRICS_FILE).rmdir()
+    with MetricsLogger(tmp_path, CFG) as logger:  # while `info` still holds the failed logger
+        logger.log(1, {"agent/return": 1.0})
+    assert info.value is not None and steps_values(tmp_path / METRICS_FILE, "agent/return") == [(1, 1.0)]
