@@ -116,7 +116,12 @@ def test_only_the_writing_rank_touches_files(tmp_path: Path, monkeypatch: pytest
     run = tmp_path / "run"
     with MetricsLogger(run, CFG, rank=1) as logger:
         assert not logger.active
-        logger.log(1, {"not a name": "not a value"})  # a no-op: nothing is checked, nothing written
+        logger.log(2, {"agent/return": 1.0})
+        # checked like on the writing rank, so every rank fails alike instead of rank 0 alone
+        with pytest.raises(MetricError, match="not a name"):
+            logger.log(3, {"not a name": 1.0})
+        with pytest.raises(MetricError, match="step 1 is before step 2"):
+            logger.log(1, {"agent/return": 1.0})
     assert not run.exists()
     monkeypatch.setenv("RANK", "3")
     assert current_rank() == 3

@@ -183,8 +183,8 @@ class MetricsLogger:
             self._gpu = GpuStats()
 
     def log(self, step: int, metrics: Mapping[str, object], *, prefix: str = "", commit: bool = True) -> None:
-        if not self.active:
-            return
+        """Every rank checks the step, names and values (a bad metric fails all ranks alike, rather than rank 0
+        alone while the others wait in their next collective); only the writing rank writes."""
         if type(step) is not int or step < 0:
             raise MetricError(f"step must be an int >= 0, got {step!r}")
         floor = self._last_step if self._pending_step is None else self._pending_step
@@ -195,6 +195,9 @@ class MetricsLogger:
         for key, value in metrics.items():
             name = check_name(f"{prefix}/{key}" if prefix else key)
             values[name] = to_number(name, value)
+        if not self.active:
+            self._last_step = step
+            return
         if self._pending_step is not None and step != self._pending_step:
             self.commit()
         self._pending_step = step
