@@ -142,7 +142,7 @@ class TensorBoardSink:
 
 
 class MetricsLogger:
-    """Logs metrics of a run from every rank; only ``writer_rank`` (default 0) writes, the others do nothing.
+    """Logs metrics of a run from every rank; only ``writer_rank`` (default 0) writes, the others only check.
 
     ``log(step, metrics)`` writes one record; ``commit=False`` gathers metrics of a step from several calls into one
     record, written by the next committing call (or by a call for another step, or by ``close``). ``prefix`` names
