@@ -51,8 +51,10 @@ def compile_spec(spec: AotSpec) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = list(spec.signature)
-    signature = {n: ("constexpr" if n in spec.constexprs else t.split(":")[0]) for n, t in spec.signature.items()}
+    names = list(spec.kernel.arg_names)  # the kernel's own order: attributes are keyed by argument position
+    if set(names) != set(spec.signature):
+        raise ValueError(f"{spec.name}: signature names {sorted(spec.signature)} are not the kernel's {names}")
+    signature = {n: ("constexpr" if n in spec.constexprs else spec.signature[n].split(":")[0]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in spec.signature.items() if t.endswith(":16")}
     source = ASTSource(spec.kernel, signature, constexprs=dict(spec.constexprs), attrs=attrs)
     log = io.StringIO()

@@ -413,16 +413,30 @@ def tis_logprob(logits: torch.Tensor, tokens: torch.Tensor, old_logprobs: Option
 
 
 def aot_specs() -> list:
-    """The launches ``spade_mega.kernels.aot`` compiles for sm_90: Qwen3 vocab 151,936 in bf16, mask, TIS, entropy."""
+    """The launches ``spade_mega.kernels.aot`` compiles for sm_90: Qwen3 vocab 151,936 in bf16, mask, TIS; the two
+    vocab passes with the entropy (the metric, or rl.entropy_coef > 0) and without (the SPADE recipe's loss)."""
     from spade_mega.kernels.aot import AotSpec
 
     block, warps = vocab_launch_config(151_936)
-    return [
-        AotSpec("tis_logprob.shard_stats", _shard_stats_kernel,
-                {"logits_ptr": "*bf16:16", "tokens_ptr": "*i64:16", "mask_ptr": "*i1:16", "stats_ptr": "*fp32:16",
-                 "stride_row": "i32:16", "n_tokens": "i32", "vocab_shard": "i32:16", "vocab_start": "i32",
-                 "temperature": "fp32", "WITH_ENTROPY": "constexpr", "BLOCK_V": "constexpr"},
-                {"WITH_ENTROPY": True, "BLOCK_V": block}, warps, f"bf16, BLOCK_V={block}"),
+    vocab_pass = {"tokens_ptr": "*i64:16", "stride_row": "i32:16", "vocab_shard": "i32:16", "vocab_start": "i32",
+                  "temperature": "fp32", "WITH_ENTROPY": "constexpr", "BLOCK_V": "constexpr"}
+    specs = []
+    for entropy in (True, False):
+        tag = "" if entropy else " (no entropy)"
+        specs += [
+            AotSpec("tis_logprob.shard_stats" + tag, _shard_stats_kernel,
+                    {"logits_ptr": "*bf16:16", "mask_ptr": "*i1:16", "stats_ptr": "*fp32:16", "n_tokens": "i32",
+                     **vocab_pass},
+                    {"WITH_ENTROPY": entropy, "BLOCK_V": block}, warps, f"bf16, BLOCK_V={block}"),
+            AotSpec("tis_logprob.logits_grad" + tag, _logits_grad_kernel,
+                    {"logits_ptr": "*bf16:16", "lse_ptr": "*fp32:16", "entropy_ptr": "*fp32:16",
+                     "coef_lp_ptr": "*fp32:16", "coef_ent_ptr": "*fp32:16", "grad_ptr": "*bf16:16",
+                     "grad_stride_row": "i32:16", **vocab_pass},
+                    {"WITH_ENTROPY": entropy, "BLOCK_V": block,
+                     **({} if entropy else {"entropy_ptr": None, "coef_ent_ptr": None})}, warps,
+                    f"bf16, BLOCK_V={block}"),
+        ]
+    return specs + [
         AotSpec("tis_logprob.finalize", _finalize_kernel,
                 {"stats_ptr": "*fp32:16", "n_shards": "i32", "old_ptr": "*fp32:16", "rollout_ptr": "*fp32:16",
                  "adv_ptr": "*fp32:16", "mask_ptr": "*i1:16", "loss_ptr": "*fp32:16", "logprob_ptr": "*fp32:16",
@@ -431,10 +445,4 @@ def aot_specs() -> list:
                  "log_tis_clip": "fp32", "log_ratio_limit": "fp32", "WITH_ENTROPY": "constexpr",
                  "BLOCK_T": "constexpr"},
                 {"WITH_ENTROPY": True, "BLOCK_T": BLOCK_T}, 4, f"BLOCK_T={BLOCK_T}"),
-        AotSpec("tis_logprob.logits_grad", _logits_grad_kernel,
-                {"logits_ptr": "*bf16:16", "tokens_ptr": "*i64:16", "lse_ptr": "*fp32:16", "entropy_ptr": "*fp32:16",
-                 "coef_lp_ptr": "*fp32:16", "coef_ent_ptr": "*fp32:16", "grad_ptr": "*bf16:16",
-                 "stride_row": "i32:16", "grad_stride_row": "i32:16", "vocab_shard": "i32:16", "vocab_start": "i32",
-                 "temperature": "fp32", "WITH_ENTROPY": "constexpr", "BLOCK_V": "constexpr"},
-                {"WITH_ENTROPY": True, "BLOCK_V": block}, warps, f"bf16, BLOCK_V={block}"),
     ]
