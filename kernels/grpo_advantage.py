@@ -250,14 +250,14 @@ def _grpo_advantage_kernel(rewards_ptr, order_ptr, seg_ptr, offsets_ptr, seg_des
 
 
 @triton.jit
-def _grpo_advantage_grad_kernel(rewards_ptr, roles_ptr, order_ptr, offsets_ptr, params_ptr, grad_out_ptr,
+def _grpo_advantage_grad_kernel(rewards_ptr, seg_designer_ptr, order_ptr, offsets_ptr, params_ptr, grad_out_ptr,
                                 grad_in_ptr, STD_NORMALIZE: tl.constexpr, BLOCK: tl.constexpr):
     """d/dr of the segment's advantages: centring is its own adjoint; the std adds -c * sum(g c) / (d^2 s (n-1))."""
     seg = tl.program_id(0)
     start = tl.load(offsets_ptr + seg)
     end = tl.load(offsets_ptr + seg + 1)
     count = (end - start).to(tl.float64)
-    designer = tl.load(roles_ptr + tl.load(order_ptr + start)) == 1
+    designer = tl.load(seg_designer_ptr + seg) != 0
     designer_scale = tl.load(params_ptr)
     eps = tl.load(params_ptr + 1)
     mean, flat = _segment_mean(rewards_ptr, order_ptr, start, end, BLOCK)
@@ -325,7 +325,7 @@ class GrpoAdvantageFunction(torch.autograd.Function):
     """Per-sample and per-token advantages, differentiable with respect to the rewards."""
 
     @staticmethod
-    def forward(ctx, rewards, roles, segments, params, loss_mask, std_normalize, out_dtype):
+    def forward(ctx, rewards, segments, params, loss_mask, std_normalize, out_dtype):
         n = rewards.shape[0]
         alloc = torch.empty if segments.all_valid else torch.zeros  # invalid rows are never written: 0
         out = alloc(n, dtype=out_dtype, device=rewards.device)
@@ -346,7 +346,7 @@ class GrpoAdvantageFunction(torch.autograd.Function):
                    tokens, n_sorted, n_cols, 0 if loss_mask is None else loss_mask.stride(0),
                    0 if tokens is None else tokens.stride(0), STD_NORMALIZE=std_normalize, TILE=tile,
                    BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, BLOCK_L=BLOCK_L, num_warps=num_warps)
-        ctx.save_for_backward(rewards, roles, segments.order, segments.offsets, params, loss_mask)
+        ctx.save_for_backward(rewards, segments.designer, segments.order, segments.offsets, params, loss_mask)
         ctx.std_normalize = std_normalize
         if tokens is None:
             return out, torch.empty(0, dtype=out_dtype, device=rewards.device)
@@ -354,16 +354,16 @@ class GrpoAdvantageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_samples, grad_tokens):
-        rewards, roles, order, offsets, params, loss_mask = ctx.saved_tensors
+        rewards, designer, order, offsets, params, loss_mask = ctx.saved_tensors
         grad = grad_samples.double()
         if loss_mask is not None:
             grad = grad + torch.where(loss_mask, grad_tokens.double(), 0.0).sum(dim=1)
         grad_rewards = torch.zeros_like(rewards)
         if offsets.numel() > 1:
-            launch("grpo_advantage.backward", _grpo_advantage_grad_kernel, (offsets.numel() - 1,), rewards, roles,
+            launch("grpo_advantage.backward", _grpo_advantage_grad_kernel, (offsets.numel() - 1,), rewards, designer,
                    order, offsets, params, grad.contiguous(), grad_rewards, STD_NORMALIZE=ctx.std_normalize,
                    BLOCK=BLOCK_S, num_warps=4)
-        return grad_rewards, None, None, None, None, None, None
+        return grad_rewards, None, None, None, None, None
 
 
 def _check(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.Tensor, skill_ids: torch.Tensor,
@@ -405,8 +405,8 @@ def grpo_advantage(rewards: torch.Tensor, group_ids: torch.Tensor, roles: torch.
     params = torch.tensor([designer_scale, eps], dtype=torch.float64, device=rewards.device)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     mask = None if loss_mask is None else loss_mask.bool().contiguous()
-    samples, tokens = GrpoAdvantageFunction.apply(rewards.contiguous(), roles.contiguous(), segments, params, mask,
-                                                  std_normalize, out_dtype)
+    samples, tokens = GrpoAdvantageFunction.apply(rewards.contiguous(), segments, params, mask, std_normalize,
+                                                  out_dtype)
     return GrpoAdvantages(samples, tokens if loss_mask is not None else None)
 
 
@@ -433,7 +433,8 @@ def aot_specs() -> list:
         AotSpec("grpo_advantage.forward_samples", _grpo_advantage_kernel, forward,
                 {**meta, "mask_ptr": None, "tokens_out_ptr": None}, warps, f"TILE={TILE}, no token broadcast"),
         AotSpec("grpo_advantage.backward", _grpo_advantage_grad_kernel,
-                {"rewards_ptr": "*fp32:16", "roles_ptr": "*i64:16", "order_ptr": "*i32:16", "offsets_ptr": "*i32:16",
+                {"rewards_ptr": "*fp32:16", "seg_designer_ptr": "*i8:16", "order_ptr": "*i32:16",
+                 "offsets_ptr": "*i32:16",
                  "params_ptr": "*fp64:16", "grad_out_ptr": "*fp64:16", "grad_in_ptr": "*fp32:16",
                  "STD_NORMALIZE": "constexpr", "BLOCK": "constexpr"},
                 {"STD_NORMALIZE": True, "BLOCK": BLOCK_S}, 4, f"BLOCK={BLOCK_S}"),

@@ -324,8 +324,8 @@ def benchmark(args: argparse.Namespace) -> int:
             row("grpo_advantage (end to end)", shape, end_to_end, 32 * n, reference, with_compile, False)
             for tile in args.tiles:  # the tile size is the kernel's one tuning knob: a sweep in the same run
                 segments = _segments(a["group_ids"], a["roles"], a["skill_ids"], None, tile)
-                kernel_only = timed(lambda: GrpoAdvantageFunction.apply(a["rewards"], a["roles"], segments, params,
-                                                                        None, True, torch.float32), graph=True)
+                kernel_only = timed(lambda: GrpoAdvantageFunction.apply(a["rewards"], segments, params, None, True,
+                                                                        torch.float32), graph=True)
                 launches = "2 launches" if segments.crossing else "1 launch"
                 row(f"grpo_advantage (kernel alone, graph replay, tile {tile}, {launches})",
                     f"{shape}, {segments.offsets.numel() - 1:,} segments", kernel_only, 16 * n, reference,
