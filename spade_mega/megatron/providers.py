@@ -189,6 +189,32 @@ def model_config_from_hf(path: str | Path, base: Optional[ModelConfig] = None) -
     return result
 
 
+def hf_config_dict(model: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of ``model`` (the inverse of :func:`model_config_from_hf`): what an inference
+    engine builds the same architecture from and what an exported checkpoint carries."""
+    model = resolve_model_config(model)
+    if not model.qk_layernorm:
+        raise ConfigError("model.qk_layernorm", "must be true for a Hugging Face Qwen3 model (its attention always "
+                                                "normalises queries and keys)")
+    moe = model.num_experts > 0
+    hf: dict[str, Any] = {key: getattr(model, name) for key, name in _HF_FIELDS.items()}
+    hf.update(
+        model_type="qwen3_moe" if moe else "qwen3",
+        architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        hidden_act="silu",
+        attention_bias=False,
+        torch_dtype=model.params_dtype,
+        use_sliding_window=False,
+        rope_scaling=None,
+    )
+    if moe:
+        hf.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
+    else:
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef"):
+            del hf[key]
+    return hf
+
+
 def resolve_model_config(model: ModelConfig) -> ModelConfig:
     """The effective architecture: ``model`` itself, or its ``hf_config`` values over it."""
     return model_config_from_hf(model.hf_config, model) if model.hf_config else model

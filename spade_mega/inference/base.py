@@ -1,0 +1,83 @@
+"""The one interface every inference engine implements (hf in-process, vLLM server, SGLang server).
+
+Engines speak token ids, not text: the rollout renders prompts with the run's tokenizer and keeps the exact ids the
+trainer will see, so the behaviour log-probs an engine returns line up token for token with the trainer's. Weights
+arrive under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``), full (unsharded) tensors, in buckets
+that the bridge streams; the engine never sees Megatron's layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from spade_mega.errors import SpadeError
+
+
+class EngineError(SpadeError):
+    """An engine cannot start, cannot serve a request, or refused a weight update."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. ``temperature`` 0 is greedy; the returned log-probs are always those of the
+    temperature-scaled distribution (greedy: temperature 1) before top-p truncation, which is what the trainer
+    recomputes for truncated importance sampling."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None  # the same seed, prompt and weights give the same completion
+    stop_token_ids: tuple[int, ...] = ()  # besides the engine's end-of-sequence token
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise EngineError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise EngineError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EngineError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One completion. ``logprobs[i]`` is the behaviour log-prob of ``output_ids[i]``; ``finish_reason`` is "stop"
+    when an end-of-sequence or stop token ended it (that token is included in ``output_ids``), "length" when it ran
+    into ``max_new_tokens``. ``weight_version`` is the version of the weights that produced it."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: Literal["stop", "length"]
+    weight_version: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout and the bridge use of an engine."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights now served (0 until the first update)."""
+        ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Completions of ``requests``, in order. Engines batch internally; callers pass all they have."""
+        ...
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Load new weights, bucket by bucket (Hugging Face names, full tensors), then serve ``version``. A name the
+        model does not have, or a shape that differs, raises :class:`EngineError` before anything is served."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (stop its server, free its memory). Idempotent."""
+        ...
