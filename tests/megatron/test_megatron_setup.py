@@ -17,7 +17,7 @@ from megatron_launch import worker_command, worker_env
 from spade_mega.config import ConfigError
 from spade_mega.config.schema import ModelConfig, ParallelConfig
 from spade_mega.megatron import compat, model_config_from_hf, parameter_count, resolve_layout, resolve_model_config
-from spade_mega.megatron.providers import BackendError, select_backend
+from spade_mega.megatron.providers import BackendError, hf_config_dict, select_backend
 
 QWEN3_30B = Path(__file__).resolve().parents[2] / "examples/hf/qwen3_30b_a3b/config.json"
 
@@ -147,6 +147,25 @@ def test_analytic_count_equals_transformers_model() -> None:
         hf_model = transformers.Qwen3MoeForCausalLM(hf_config)
     ours = parameter_count(dataclasses.replace(model_config_from_hf(QWEN3_30B), num_layers=2))
     assert ours.total == sum(p.numel() for p in hf_model.parameters())
+
+
+@pytest.mark.parametrize("num_experts", [0, 4])
+def test_hf_config_dict_round_trips_and_builds_the_counted_transformers_model(tmp_path: Path, num_experts: int) -> None:
+    """The config.json an engine builds from (and an export writes) describes the trainer's architecture."""
+    transformers = pytest.importorskip("transformers")
+    model = ModelConfig(num_experts=num_experts, tie_embeddings=num_experts == 0, rotary_base=10_000.0)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(model)))
+    assert dataclasses.replace(model_config_from_hf(tmp_path, model), name=model.name, hf_config=None) == model
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert type(hf_model).__name__ == ("Qwen3MoeForCausalLM" if num_experts else "Qwen3ForCausalLM")
+    assert parameter_count(model).total == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_hf_config_dict_refuses_what_qwen3_cannot_express() -> None:
+    with pytest.raises(ConfigError, match="model.qk_layernorm"):
+        hf_config_dict(ModelConfig(qk_layernorm=False))
 
 
 @pytest.fixture(scope="module")
