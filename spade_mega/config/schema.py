@@ -154,9 +154,16 @@ class SelfPlayConfig:
     regen_interval: int = 4
     designer_delay: int = 4
     global_batch_size: int = 192  # samples per optimizer step; one rollout may give several steps
+    save_interval: int = 10  # rollouts between checkpoints (model, optimizer and the loop's state); the last is saved
+    keep_checkpoints: Optional[int] = 2  # newest checkpoints kept (None keeps all)
+    # Environment slots the designer left empty (invalid programs) are filled with library programs of the active
+    # skills, so the agent always has its envs_per_rollout environments; they never pay a designer. A tiny random
+    # model never writes a valid program: without it the demo would train on nothing but designer penalties.
+    library_fallback: bool = True
 
     def check(self) -> None:
-        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size")
+        _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size", "save_interval",
+                  "keep_checkpoints")
         _require(self.designer_delay >= 0, "selfplay.designer_delay", f"must be >= 0, got {self.designer_delay}")
 
 
