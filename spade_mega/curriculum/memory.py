@@ -398,10 +398,38 @@ class EnvMemory:
                 raise EnvMemoryError(f"environment {content_hash[:12]} has no evaluation at iteration {iteration}")
             self._refresh(conn, env_id)
 
+    def discard_after(self, iteration: int) -> dict[str, int]:
+        """Forget what iterations after ``iteration`` wrote: a run resumed from the checkpoint of that iteration
+        replays them, and the database, unlike the checkpoint, cannot be rolled back to the save.
+
+        Deletes their evaluations and the environments first proposed after it (their ``designer_iteration``),
+        then restores each remaining environment's latest-evaluation columns. Row ids of the deleted environments
+        are reused by the replay, so prompts built from the memory come out as in the uninterrupted run. Not undone:
+        the ``proposals`` count of an older environment proposed again after ``iteration`` (a statistic no prompt
+        reads). Returns the counts deleted."""
+        v = _play_results(iteration=iteration)
+        with self._write() as conn:
+            touched = [r[0] for r in conn.execute("SELECT DISTINCT env_id FROM evaluations WHERE iteration > ?",
+                                                  (v["iteration"],))]
+            evaluations = conn.execute("DELETE FROM evaluations WHERE iteration > ?", (v["iteration"],)).rowcount
+            doomed = [r[0] for r in conn.execute("SELECT id FROM environments WHERE designer_iteration > ?",
+                                                 (v["iteration"],))]
+            conn.executemany("DELETE FROM evaluations WHERE env_id = ?", [(i,) for i in doomed])
+            conn.executemany("DELETE FROM lsh WHERE env_id = ?", [(i,) for i in doomed])
+            conn.executemany("DELETE FROM environments WHERE id = ?", [(i,) for i in doomed])
+            for env_id in sorted(set(touched) - set(doomed)):
+                self._refresh(conn, env_id)
+        return {"evaluations": evaluations, "environments": len(doomed)}
+
     def _refresh(self, conn: sqlite3.Connection, env_id: int) -> None:
         """Copy the latest evaluation and the play totals onto the environment row (what the indexes serve)."""
         last = conn.execute("SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration DESC LIMIT 1",
                             (env_id,)).fetchone()
+        if last is None:  # every evaluation was discarded: back to never played
+            conn.execute("UPDATE environments SET last_iteration = NULL, win_rate = NULL, win_rate_hint = NULL, "
+                         "regret = NULL, designer_reward = NULL, plays = 0, hint_plays = 0, outcome = NULL "
+                         "WHERE id = ?", (env_id,))
+            return
         plays, hint_plays = conn.execute("SELECT SUM(plays), SUM(hint_plays) FROM evaluations WHERE env_id = ?",
                                          (env_id,)).fetchone()
         conn.execute("UPDATE environments SET last_iteration = ?, win_rate = ?, win_rate_hint = ?, regret = ?, "
