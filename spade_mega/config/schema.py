@@ -147,6 +147,20 @@ class RolloutConfig:
 
 
 @dataclass
+class InferenceConfig:
+    """Settings of the inference engines (spade_mega/inference). The in-process ``hf`` engine reads ``device``,
+    ``dtype``, ``max_batch_size`` and ``hf_weights``."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when there is a GPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: model.params_dtype
+    max_batch_size: int = 64  # sequences decoded together; bigger rollouts run in chunks
+    hf_weights: Optional[str] = None  # local Hugging Face folder (*.safetensors) loaded at start; None = random init
+
+    def check(self) -> None:
+        _positive("inference", self, "max_batch_size")
+
+
+@dataclass
 class SelfPlayConfig:
     """The SPADE schedule: how many rollouts, how often the designer regenerates, how long its update is delayed."""
 
@@ -467,6 +481,7 @@ class SpadeConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,314 @@
+"""The in-process Hugging Face engine: transformers' Qwen3 / Qwen3-MoE model driven by our own sampling loop.
+
+It runs where the trainer runs (the CPU demo, rank 0), so it is lean: one model, a KV cache per batch, no server.
+The sampling loop is ours rather than ``model.generate`` so that what is sampled and the log-probs returned are
+exactly the distribution the trainer recomputes: ``log_softmax(logits / T)`` in float32, before top-p truncation.
+
+Weights arrive in the Hugging Face *checkpoint* layout (what safetensors files, vLLM and SGLang use): one tensor per
+expert projection, ``model.layers.L.mlp.experts.E.gate_proj.weight``. transformers >= 5 keeps the experts of a layer
+fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); the engine maps each checkpoint
+name onto its slice of the fused parameter, so the bridge streams one format to every engine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from spade_mega.config.schema import ModelConfig, SpadeConfig
+from spade_mega.inference.base import EngineError, Generation, GenerationRequest
+from spade_mega.megatron.providers import hf_config_dict, resolve_model_config
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor lands: ``index`` of parameter ``param`` (``()`` = the whole parameter)."""
+
+    param: str
+    index: tuple
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when there is a GPU, else the CPU; ``cuda`` without a GPU is an error, not a silent CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineError("inference.device is 'cuda' but torch sees no GPU; use 'auto' or 'cpu'")
+    return torch.device(device)
+
+
+def build_hf_model(model: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """transformers' model of ``model`` (random init), in eval mode: Qwen3MoeForCausalLM or Qwen3ForCausalLM."""
+    import transformers
+
+    hf = hf_config_dict(model)
+    hf.pop("torch_dtype")
+    moe = hf["model_type"] == "qwen3_moe"
+    config_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
+    model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    config = config_cls(**hf)
+    with torch.device(device):
+        net = model_cls(config).to(dtype)
+    return net.eval().requires_grad_(False)
+
+
+class HFEngine:
+    """Batched sampling from a transformers model with a KV cache; weights pushed in by :meth:`update_weights`.
+
+    ``eos_token_id`` ends a completion (the run tokenizer's ``<|im_end|>``), ``pad_token_id`` fills left padding
+    (never attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``. A request
+    without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible."""
+
+    def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
+                 device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
+                 weights_path: Optional[str] = None) -> None:
+        if max_batch_size < 1:
+            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        model = resolve_model_config(model)
+        self.vocab_size = model.vocab_size
+        self.max_positions = model.max_position_embeddings
+        pad = eos_token_id if pad_token_id is None else pad_token_id
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad)):
+            if not 0 <= value < self.vocab_size:
+                raise EngineError(f"{name} {value} is outside the model's vocabulary (model.vocab_size "
+                                  f"{self.vocab_size}): the tokenizer does not fit the model")
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad
+        self.max_batch_size = max_batch_size
+        self.device = resolve_device(device)
+        self.dtype = _DTYPES[model.params_dtype if dtype == "auto" else dtype]
+        self.model: Optional[torch.nn.Module] = build_hf_model(model, dtype=self.dtype, device=self.device)
+        self.tied = bool(model.tie_embeddings)
+        self._targets = self._checkpoint_targets()
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._inconsistent: Optional[str] = None  # why the weights cannot be served (a failed update), or None
+        if weights_path is not None:
+            self.update_weights(load_checkpoint_buckets(weights_path), version=0)
+
+    # ------------------------------------------------------------------ weights
+    def _checkpoint_targets(self) -> dict[str, _Target]:
+        """Checkpoint name -> slice of a model parameter, for every tensor an update must (or may) carry."""
+        targets: dict[str, _Target] = {}
+        for name, param in self._params().items():
+            fused = _FUSED_EXPERTS.match(name)
+            if fused is None:
+                targets[name] = _Target(name, ())
+                continue
+            prefix, kind = fused.groups()
+            for e in range(param.shape[0]):
+                if kind == "down_proj":
+                    targets[f"{prefix}.{e}.down_proj.weight"] = _Target(name, (e,))
+                else:
+                    half = param.shape[1] // 2
+                    targets[f"{prefix}.{e}.gate_proj.weight"] = _Target(name, (e, slice(0, half)))
+                    targets[f"{prefix}.{e}.up_proj.weight"] = _Target(name, (e, slice(half, None)))
+        return targets
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        # named_parameters lists a tied lm_head once, under model.embed_tokens.weight
+        return dict(self._live_model().named_parameters())
+
+    def _target(self, name: str) -> _Target:
+        if self.tied and name == "lm_head.weight":  # tied checkpoints may still carry the head: the same tensor
+            name = "model.embed_tokens.weight"
+        target = self._targets.get(name)
+        if target is None:
+            raise EngineError(f"weight update: the model has no tensor {name!r} (expected Hugging Face checkpoint "
+                              f"names such as {next(iter(self._targets))!r})")
+        return target
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint name a complete update must carry, with its shape (what the bridge must send)."""
+        params = self._params()
+        return {name: tuple(params[t.param][t.index].shape) for name, t in self._targets.items()}
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Copy every bucket in after checking its names and shapes; serve ``version`` once every tensor came.
+
+        A bucket is checked whole before any of it is copied. Once copying has begun the weights are a mix of two
+        versions until the update completes, so a failure part way leaves the engine refusing to generate until a
+        later update succeeds; the version advances only on success."""
+        params = self._params()
+        missing = set(self._targets)
+        started = False
+        try:
+            with torch.no_grad():
+                for bucket in buckets:
+                    checked = []
+                    for name, tensor in bucket.items():
+                        target = self._target(name)
+                        view = params[target.param][target.index]
+                        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                            raise EngineError(f"weight update: {name!r} must be a floating-point tensor, got "
+                                              f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+                        if tuple(tensor.shape) != tuple(view.shape):
+                            raise EngineError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's "
+                                              f"is {tuple(view.shape)}")
+                        checked.append((name, view, tensor))
+                    for name, view, tensor in checked:
+                        started = True
+                        view.copy_(tensor)
+                        missing.discard(name if not (self.tied and name == "lm_head.weight")
+                                        else "model.embed_tokens.weight")
+            if missing:
+                shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                raise EngineError(f"weight update to version {version} is incomplete: no tensor for {shown}")
+        except BaseException as exc:
+            if started:
+                self._inconsistent = (f"the weight update to version {version} failed part way ({exc}); the "
+                                      f"engine's weights are inconsistent until a complete update succeeds")
+            raise
+        self._inconsistent = None
+        self._version = version
+
+    # --------------------------------------------------------------- generation
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Completions of ``requests`` in order; prompts of similar length are batched together."""
+        self._live_model()
+        if self._inconsistent is not None:
+            raise EngineError(f"cannot generate: {self._inconsistent}")
+        for i, request in enumerate(requests):
+            self._check_request(i, request)
+        seeds = [r.sampling.seed if r.sampling.seed is not None
+                 else int(torch.randint(0, 2**62, (), generator=self._seeds)) for r in requests]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        results: list[Optional[Generation]] = [None] * len(requests)
+        for start in range(0, len(order), self.max_batch_size):
+            chunk = order[start:start + self.max_batch_size]
+            for i, generation in zip(chunk, self._generate_batch([requests[i] for i in chunk],
+                                                                   [seeds[i] for i in chunk])):
+                results[i] = generation
+        return results  # type: ignore[return-value]
+
+    def _check_request(self, i: int, request: GenerationRequest) -> None:
+        prompt, sampling = request.prompt_ids, request.sampling
+        if len(prompt) == 0:
+            raise EngineError(f"request {i}: empty prompt (a completion needs at least one prompt token)")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"request {i}: prompt token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"request {i}: stop token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + sampling.max_new_tokens > self.max_positions:
+            raise EngineError(f"request {i}: prompt ({len(prompt)} tokens) + max_new_tokens "
+                              f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
+                              f"({self.max_positions})")
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: Sequence[GenerationRequest], seeds: Sequence[int]) -> list[Generation]:
+        model, device = self._live_model(), self.device
+        n = len(requests)
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, r in enumerate(requests):  # left padding: every row's next token sits in the last column
+            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache, logits = out.cache, out.logits[:, -1]
+        positions = positions[:, -1:]
+
+        sampling = [r.sampling for r in requests]
+        temperature = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=device)
+        top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=device)
+        stops = [frozenset((self.eos_token_id, *s.stop_token_ids)) for s in sampling]
+        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str] = ["length"] * n
+        live = list(range(n))  # request index of each row still in the batch
+        while True:
+            uniforms = torch.stack([torch.rand((), generator=generators[i], device=device) for i in live])
+            tokens, chosen = sample_tokens(logits, temperature, top_p, uniforms)
+            keep = []
+            for row, (i, token, lp) in enumerate(zip(live, tokens.tolist(), chosen.tolist())):
+                outputs[i].append(token)
+                logprobs[i].append(lp)
+                if token in stops[i]:
+                    finish[i] = "stop"
+                elif len(outputs[i]) < sampling[i].max_new_tokens:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(live):  # finished rows leave the batch and the cache
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                mask, positions, tokens = mask[index], positions[index], tokens[index]
+                temperature, top_p = temperature[index], top_p[index]
+                live = [live[row] for row in keep]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+            positions = positions + 1
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
+                        cache=cache, use_cache=True)
+            logits = out.logits[:, -1]
+        return [Generation(prompt_ids=tuple(r.prompt_ids), output_ids=tuple(outputs[i]),
+                           logprobs=tuple(logprobs[i]), finish_reason=finish[i],  # type: ignore[arg-type]
+                           weight_version=self._version) for i, r in enumerate(requests)]
+
+    # ------------------------------------------------------------------ life
+    def _live_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise EngineError("the hf engine is closed")
+        return self.model
+
+    def close(self) -> None:
+        self.model = None
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its behaviour log-prob.
+
+    The log-prob is ``log_softmax(logits / T)`` in float32 (T = 1 for greedy rows, ``temperature`` 0), before top-p:
+    what the trainer recomputes. Sampled rows draw by inverse CDF over the top-p nucleus (tokens sorted by
+    probability, each kept while the mass before it is below ``top_p``), using one uniform per row from that
+    request's own generator, so a row's draw does not depend on the other rows."""
+    greedy = temperature == 0
+    scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    probs = sorted_logp.exp()
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs * (before < top_p[:, None])
+    cdf = probs.cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)
+    tokens = torch.where(greedy, order[:, 0], order.gather(1, pick)[:, 0])
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def load_checkpoint_buckets(path: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of a local Hugging Face folder, one bucket per ``*.safetensors`` file."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"inference.hf_weights: no *.safetensors file in {path!r} (give a local Hugging Face "
+                          "model folder)")
+    for file in files:
+        yield load_file(str(file))
+
+
+def from_config(cfg: SpadeConfig, tokenizer: Any) -> HFEngine:
+    """The hf engine of a run: ``cfg.model`` built with ``cfg.inference``'s settings, eos/pad from ``tokenizer``."""
+    if tokenizer.eos_token_id is None:
+        raise EngineError("the run's tokenizer has no eos token: completions could never stop")
+    inf = cfg.inference
+    return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    device=inf.device, dtype=inf.dtype, max_batch_size=inf.max_batch_size, seed=cfg.run.seed,
+                    weights_path=inf.hf_weights)

@@ -1,0 +1,212 @@
+"""The in-process hf engine on the tiny demo model: what the rollout and the trainer rely on.
+
+Log-probs must equal the trainer's recomputation (a full forward of prompt + completion), greedy must be the argmax,
+seeds must reproduce, batching must not change results, and a weight update must be all-or-nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spade_mega.config.loader import load_config
+from spade_mega.inference import EngineError, GenerationRequest, SamplingParams, build_engine
+from spade_mega.inference.hf import HFEngine, build_hf_model
+from spade_mega.tokenizer import byte_tokenizer
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
+TOK = byte_tokenizer()
+EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(CONFIG, ["inference.device=cpu"])
+
+
+def make_engine(model, init_seed: int = 0, **kwargs) -> HFEngine:
+    torch.manual_seed(init_seed)  # the random init: the same seed gives the same weights
+    return HFEngine(model, eos_token_id=kwargs.pop("eos_token_id", EOS), pad_token_id=PAD, device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(cfg):
+    torch.manual_seed(0)
+    return build_engine(cfg, TOK)
+
+
+def request(prompt: str, **sampling) -> GenerationRequest:
+    return GenerationRequest(tuple(TOK.encode(prompt)), SamplingParams(**sampling))
+
+
+def full_forward_logprobs(model, generation, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits / T) of each output token from one forward of prompt + output, and the argmax tokens."""
+    ids = torch.tensor([generation.prompt_ids + generation.output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(generation.prompt_ids) - 1:-1].float()
+    out = torch.tensor(generation.output_ids)
+    return torch.log_softmax(logits / temperature, -1).gather(1, out[:, None])[:, 0], logits.argmax(-1)
+
+
+def test_build_engine_takes_eos_and_pad_from_the_tokenizer(engine, cfg):
+    assert isinstance(engine, HFEngine)
+    assert (engine.eos_token_id, engine.pad_token_id) == (TOK.convert_tokens_to_ids("<|im_end|>"), PAD)
+    assert engine.vocab_size == cfg.model.vocab_size and engine.weight_version == 0
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_logprobs_equal_a_full_forward_at_the_sampling_temperature(engine, temperature, top_p):
+    reqs = [request(p, max_new_tokens=12, temperature=temperature, top_p=top_p, seed=i)
+            for i, p in enumerate(["hello", "a much longer prompt than the first", "x"])]
+    for gen in engine.generate(reqs):
+        assert len(gen.output_ids) == len(gen.logprobs) >= 1
+        expected, argmax = full_forward_logprobs(engine.model, gen, temperature or 1.0)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-5, rtol=0)
+        if temperature == 0:
+            assert gen.output_ids == tuple(argmax.tolist())
+
+
+def test_a_tiny_nucleus_samples_the_most_likely_token_but_reports_the_untruncated_logprob(engine):
+    greedy, = engine.generate([request("nucleus", max_new_tokens=8, temperature=0.0)])
+    tiny, = engine.generate([request("nucleus", max_new_tokens=8, temperature=0.5, top_p=1e-6, seed=3)])
+    assert tiny.output_ids == greedy.output_ids
+    expected, _ = full_forward_logprobs(engine.model, tiny, 0.5)
+    torch.testing.assert_close(torch.tensor(tiny.logprobs), expected, atol=1e-5, rtol=0)
+    assert max(tiny.logprobs) < 0  # the log-prob before truncation, not log(1) of the one-token nucleus
+
+
+def test_same_seed_same_completion_other_seed_other_completion(engine):
+    reqs = [request("seed test", max_new_tokens=16, temperature=1.0, seed=s) for s in (7, 7, 8)]
+    first, again = engine.generate(reqs), engine.generate(reqs)
+    assert first == again
+    assert first[0].output_ids == first[1].output_ids  # the same seed inside one batch, too
+    assert first[0].output_ids != first[2].output_ids
+    unseeded = [request("seed test", max_new_tokens=16, temperature=1.0)] * 2
+    a, b = engine.generate(unseeded)
+    assert a.output_ids != b.output_ids  # no seed: each request draws its own
+
+
+def test_stop_and_eos_tokens_end_the_completion_and_are_included(engine, cfg):
+    free, = engine.generate([request("stop here", max_new_tokens=10, temperature=0.0)])
+    assert free.finish_reason == "length" and len(free.output_ids) == 10
+    k = next(i for i in range(2, 10) if free.output_ids[i] not in free.output_ids[:i])
+    stop = free.output_ids[k]
+    stopped, = engine.generate([request("stop here", max_new_tokens=10, temperature=0.0, stop_token_ids=(stop,))])
+    assert stopped.output_ids == free.output_ids[:k + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == pytest.approx(free.logprobs[:k + 1], abs=1e-6)
+    eos_engine = make_engine(cfg.model, eos_token_id=stop)
+    eos_engine.update_weights([load_saved(engine)], version=1)
+    ended, = eos_engine.generate([request("stop here", max_new_tokens=10, temperature=0.0)])
+    assert ended.output_ids == stopped.output_ids and ended.finish_reason == "stop" and ended.weight_version == 1
+
+
+def test_batched_and_chunked_greedy_equals_one_at_a_time(cfg):
+    engine = make_engine(cfg.model, max_batch_size=2)
+    prompts = ["a", "two words", "a prompt of middling length", "bb", "the longest prompt of this little batch"]
+    reqs = [request(p, max_new_tokens=6 + 2 * i, temperature=0.0) for i, p in enumerate(prompts)]
+    alone = [engine.generate([r])[0] for r in reqs]
+    chunked = engine.generate(reqs)
+    engine.max_batch_size = 8
+    batched = engine.generate(reqs)
+    for one, *others in zip(alone, chunked, batched):
+        for other in others:
+            assert other.output_ids == one.output_ids and other.finish_reason == one.finish_reason == "length"
+            torch.testing.assert_close(torch.tensor(other.logprobs), torch.tensor(one.logprobs), atol=1e-5, rtol=0)
+    assert [len(g.output_ids) for g in batched] == [6, 8, 10, 12, 14]
+
+
+def load_saved(engine: HFEngine) -> dict[str, torch.Tensor]:
+    """``engine``'s weights as transformers writes a checkpoint (one tensor per expert projection)."""
+    return save_other(engine.model)
+
+
+def save_other(model) -> dict[str, torch.Tensor]:
+    """``model``'s weights as transformers writes a checkpoint."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.parametrize("moe,tied", [(True, False), (False, True)])
+def test_weights_saved_by_transformers_round_trip(cfg, tmp_path, moe, tied):
+    model = cfg.model if moe else type(cfg.model)(**{**vars(cfg.model), "num_experts": 0, "tie_embeddings": True})
+    assert model.tie_embeddings == tied
+    engine = make_engine(model, init_seed=1)
+    torch.manual_seed(2)
+    other = build_hf_model(model, dtype=torch.float32, device=torch.device("cpu"))
+    weights = save_other(other)
+    # a tied checkpoint may carry the head too: the engine takes it as the embedding
+    assert set(weights) - ({"lm_head.weight"} if tied else set()) == set(engine.expected_weights())
+    ids = torch.tensor([TOK.encode("round trip of the weights")])
+    with torch.no_grad():
+        want = other(input_ids=ids).logits
+        assert not torch.allclose(engine.model(input_ids=ids).logits, want)
+        names = sorted(weights)
+        engine.update_weights(({n: weights[n] for n in names[i::3]} for i in range(3)), version=5)
+        assert torch.equal(engine.model(input_ids=ids).logits, want)
+    assert engine.weight_version == 5
+    other.save_pretrained(tmp_path)
+    loaded = make_engine(model, init_seed=3, weights_path=str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(input_ids=ids).logits, want)
+
+
+def test_a_failed_update_refuses_generation_until_a_complete_one(cfg):
+    engine = make_engine(cfg.model)
+    weights = load_saved(engine)
+    req = [request("consistency", max_new_tokens=4, temperature=0.0)]
+    before = engine.generate(req)
+
+    # refused before anything is copied: the engine keeps serving the old weights
+    with pytest.raises(EngineError, match="no tensor 'model.layers.0.mlp.experts.9.up_proj.weight'"):
+        engine.update_weights([{"model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(32, 64)}], version=1)
+    with pytest.raises(EngineError, match=r"'model.norm.weight' has shape \(3,\), the model's is \(64,\)"):
+        engine.update_weights([{"model.norm.weight": torch.zeros(3)}], version=1)
+    assert engine.generate(req) == before and engine.weight_version == 0
+
+    missing = "model.layers.1.mlp.experts.3.down_proj.weight"
+    partial = {n: torch.zeros_like(t) for n, t in weights.items() if n != missing}
+    with pytest.raises(EngineError, match=f"incomplete: no tensor for {missing}"):
+        engine.update_weights([partial], version=1)
+    with pytest.raises(EngineError, match="inconsistent"):
+        engine.generate(req)
+
+    def failing_stream():
+        yield dict(list(weights.items())[:5])
+        raise RuntimeError("the bridge lost a rank")
+
+    with pytest.raises(RuntimeError, match="lost a rank"):
+        engine.update_weights(failing_stream(), version=1)
+    with pytest.raises(EngineError, match="version 1 failed part way"):
+        engine.generate(req)
+    assert engine.weight_version == 0
+    engine.update_weights([weights], version=2)
+    again = engine.generate(req)
+    assert again[0].output_ids == before[0].output_ids and again[0].weight_version == 2
+
+
+@pytest.mark.parametrize("prompt,max_new,match", [
+    ((), 4, "request 1: empty prompt"),
+    ((1, 512), 4, r"request 1: prompt token ids \[512\] are outside the vocabulary \[0, 512\)"),
+    ((-1, 3), 4, r"request 1: prompt token ids \[-1\]"),
+    (None, None, r"request 1: prompt \(100 tokens\) \+ max_new_tokens \(\d+\) exceeds the model's "
+                 r"max_position_embeddings \(\d+\)"),
+])
+def test_bad_requests_name_the_request(engine, prompt, max_new, match):
+    if prompt is None:  # one token past the model's context
+        prompt, max_new = (1,) * 100, engine.max_positions - 99
+    good = request("fine", max_new_tokens=2)
+    with pytest.raises(EngineError, match=match):
+        engine.generate([good, GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new))])
+
+
+def test_a_closed_engine_says_so(cfg):
+    engine = make_engine(cfg.model)
+    engine.close()
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate([request("x", max_new_tokens=1)])
