@@ -204,6 +204,12 @@ def test_bad_requests_name_the_request(engine, prompt, max_new, match):
         engine.generate([good, GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new))])
 
 
+def test_an_engine_this_build_lacks_is_reported_unavailable(cfg):
+    lacking = type(cfg)(**{**vars(cfg), "rollout": type(cfg.rollout)(**{**vars(cfg.rollout), "engine": "trtllm"})})
+    with pytest.raises(EngineError, match="rollout.engine 'trtllm' is unavailable"):
+        build_engine(lacking, TOK)
+
+
 def test_a_closed_engine_says_so(cfg):
     engine = make_engine(cfg.model)
     engine.close()

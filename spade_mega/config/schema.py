@@ -9,7 +9,7 @@ so a field's annotation is its contract: ``int``, ``float``, ``bool``, ``str``, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from spade_mega.config.errors import ConfigError
 
@@ -473,6 +473,99 @@ class KernelsConfig:
         """A single switch: nothing to check against."""
 
 
+def slurm_time_seconds(text: str) -> Optional[int]:
+    """Seconds of a SLURM time limit (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``); None if malformed."""
+    days, sep, rest = text.partition("-")
+    if not sep:
+        days, rest = "0", text
+    parts = rest.split(":")
+    if not days.isdigit() or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    numbers = [int(p) for p in parts]
+    if sep:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (numbers + [0, 0])[:3]
+    else:  # M, M:S, H:M:S
+        h, m, s = ([0] + numbers + [0])[:3] if len(numbers) < 3 else numbers
+    return ((int(days) * 24 + h) * 60 + m) * 60 + s
+
+
+@dataclass
+class LaunchConfig:
+    """The SLURM job that runs this config (spade_mega/launch, ``spade-mega launch slurm``): its shape, its
+    environment, and where the inference engines run. The trainer's world is ``nodes x gpus_per_node`` processes."""
+
+    nodes: int = 1  # nodes of the trainer (placement 'separate' adds engine_nodes on top)
+    gpus_per_node: int = 8
+    launcher: Literal["torchrun", "srun"] = "torchrun"  # one torchrun per node, or one srun task per GPU
+    partition: Optional[str] = None  # None: the cluster's default
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Union[str, int] = "24:00:00"  # SLURM time limit, quoted: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S
+    job_name: Optional[str] = None  # None: run.name
+    cpus_per_task: Optional[int] = None  # per srun task (a node's torchrun, or one rank under launcher srun)
+    sbatch_extra: list[str] = field(default_factory=list)  # more directives, e.g. "--constraint=h100", "--exclusive"
+    setup: list[str] = field(default_factory=list)  # shell lines run first: module load, source .venv/bin/activate
+    container_image: Optional[str] = None  # pyxis/enroot image every srun step runs in
+    container_mounts: list[str] = field(default_factory=list)  # SRC:DST pairs for --container-mounts
+    workdir: Optional[str] = None  # where the job runs; None: the directory sbatch was called from
+    log_dir: str = "logs"  # job, engine and resolved-config files; relative to workdir
+    python: str = "python"  # interpreter (after setup) that has spade-mega installed
+    env: dict[str, str] = field(default_factory=dict)  # exported to every process: NCCL_*, HF_HOME, ...
+    master_port: Optional[int] = None  # None: 20000 + job id % 10000, so jobs sharing a node do not collide
+    # Where the rollout engines run. in_process: rollout.engine hf inside global rank 0. colocated: servers on the
+    # trainer's GPUs (the SPADE recipe: SGLang EP8 on the same 8 GPUs). separate: servers on engine_nodes more nodes.
+    # auto: in_process for hf, colocated for sglang and vllm.
+    engine_placement: Literal["auto", "in_process", "colocated", "separate"] = "auto"
+    engine_nodes: int = 0  # placement separate: nodes given to the engine servers
+    engine_gpus: Optional[int] = None  # GPUs of one server (its tensor/expert parallel size); None: a whole node
+    engine_model: Optional[str] = None  # what the servers load at start; None: model.tokenizer
+    engine_memory_fraction: Optional[float] = None  # GPU memory a server may take (None: the engine's default)
+    engine_port: int = 30000  # first server of a node; the next ones count up
+    engine_start_timeout_s: int = 1800  # the trainer waits this long for every server's /health
+    engine_args: list[str] = field(default_factory=list)  # appended to every server command
+    requeue: bool = True  # checkpoint before the time limit and requeue the job (needs run.resume auto)
+    signal_before_s: int = 600  # the trainer gets SIGUSR1 this long before the time limit
+
+    def check(self) -> None:
+        _positive("launch", self, "nodes", "gpus_per_node", "cpus_per_task", "engine_gpus", "engine_start_timeout_s",
+                  "signal_before_s")
+        _require(isinstance(self.time, str), "launch.time",
+                 f"must be quoted, like time: \"24:00:00\" (YAML reads an unquoted 24:00:00 as the number 86400, "
+                 f"and 30 as a number too), got {self.time!r}")
+        limit = slurm_time_seconds(self.time)
+        _require(limit is not None and limit > 0, "launch.time",
+                 f"must be a SLURM time limit (M, M:S, H:M:S, D-H, D-H:M or D-H:M:S), got {self.time!r}")
+        if self.requeue:
+            _require(limit > self.signal_before_s + 60, "launch.signal_before_s",
+                     f"must leave at least a minute of launch.time ({self.time}) before the checkpoint signal, "
+                     f"got {self.signal_before_s} s")
+        for name in ("job_name", "partition", "account", "qos"):
+            value = getattr(self, name)
+            _require(value is None or (bool(value) and not any(c.isspace() for c in value)), f"launch.{name}",
+                     f"must be a non-empty word without spaces, got {value!r}")
+        for i, directive in enumerate(self.sbatch_extra):
+            _require(directive.startswith("--") and "\n" not in directive, f"launch.sbatch_extra[{i}]",
+                     f"must be one sbatch option like '--constraint=h100', got {directive!r}")
+        for i, line in enumerate(self.setup):
+            _require("\n" not in line, f"launch.setup[{i}]", "must be one shell line (give several lines as a list)")
+        for key in self.env:
+            _require(key.isidentifier(), f"launch.env.{key}", "must be an environment variable name")
+        for name in ("master_port", "engine_port"):
+            value = getattr(self, name)
+            _require(value is None or 1024 <= value <= 65535, f"launch.{name}", f"must be in [1024, 65535], "
+                                                                                  f"got {value}")
+        _require(bool(self.log_dir) and bool(self.python), "launch.log_dir" if not self.log_dir else "launch.python",
+                 "must not be empty")
+        _require(self.engine_nodes >= 0, "launch.engine_nodes", f"must be >= 0, got {self.engine_nodes}")
+        _require((self.engine_placement == "separate") == (self.engine_nodes > 0), "launch.engine_nodes",
+                 f"must be > 0 exactly when launch.engine_placement is 'separate', got {self.engine_nodes} "
+                 f"with placement {self.engine_placement!r}")
+        _require(self.engine_gpus is None or self.gpus_per_node % self.engine_gpus == 0, "launch.engine_gpus",
+                 f"must divide launch.gpus_per_node ({self.gpus_per_node}), got {self.engine_gpus}")
+        _require(self.engine_memory_fraction is None or 0.0 < self.engine_memory_fraction < 1.0,
+                 "launch.engine_memory_fraction", f"must be in (0, 1), got {self.engine_memory_fraction}")
+
+
 @dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
@@ -491,6 +584,7 @@ class SpadeConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def check(self) -> None:
         """Check every section, then the constraints that span sections."""
@@ -518,3 +612,12 @@ class SpadeConfig:
             _require(self.selfplay.designer_delay >= 2, "selfplay.designer_delay",
                      "must be >= 2 for rewards.variant 'micro_lp' (a slope needs plays at two steps or more), "
                      f"got {self.selfplay.designer_delay}")
+        placement, engine = self.launch.engine_placement, self.rollout.engine
+        _require(placement in ("auto", "in_process") or engine != "hf", "launch.engine_placement",
+                 f"{placement!r} starts engine servers: needs rollout.engine sglang or vllm, got 'hf' (which runs "
+                 "in-process on global rank 0; use placement 'in_process' or 'auto')")
+        _require(placement != "in_process" or engine == "hf", "launch.engine_placement",
+                 f"'in_process' needs rollout.engine 'hf', got {engine!r} (a server engine is 'colocated' or "
+                 "'separate')")
+        _require(not self.launch.requeue or self.run.resume == "auto", "launch.requeue",
+                 f"needs run.resume 'auto' (a requeued job resumes from its checkpoint), got {self.run.resume!r}")

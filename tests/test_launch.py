@@ -1,0 +1,433 @@
+"""SLURM launch: the launch config's checks, placement against the parallel layout, the rendered sbatch script, and the
+in-job wiring (host lists, ranks, rendezvous, engine servers) run for real as separate processes over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spade_mega.cli import main as cli_main
+from spade_mega.config import ConfigError, load_config, to_dict
+from spade_mega.config.schema import slurm_time_seconds
+from spade_mega.launch import node
+from spade_mega.launch.local import local_command
+from spade_mega.launch.plan import minimal_world_size, plan_launch
+from spade_mega.launch.sbatch import CONFIG_DELIMITER, render_sbatch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "examples/configs/qwen3_30b_a3b_games.yaml"
+TINY = "examples/configs/tiny_cpu.yaml"
+DATA = ROOT / "tests" / "data" / "launch"
+# A node of a real 5-node job: what srun exports to the task of node index 2, local rank 3 (launcher srun, 8 per node)
+SLURM_ENV = {"SLURM_JOB_ID": "4187321", "SLURM_JOB_NODELIST": "gpu[001-004,010]", "SLURM_NODEID": "2",
+             "SLURM_PROCID": "19", "SLURM_NTASKS": "40", "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "8",
+             "SLURM_STEP_NUM_TASKS": "40"}
+
+
+def recipe(*overrides: str):
+    return load_config(ROOT / RECIPE, list(overrides))
+
+
+def render(*overrides: str, path: str = RECIPE) -> str:
+    return render_sbatch(load_config(ROOT / path, list(overrides)), path)
+
+
+def config_error(*overrides: str, path: str = RECIPE) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        plan_launch(load_config(ROOT / path, list(overrides)))
+    return info.value
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the launch section and placement ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,seconds", [("30", 1800), ("5:30", 330), ("24:00:00", 86400), ("2-0", 172800),
+                                          ("1-12:30", 131400), ("0-00:10:05", 605)])
+def test_slurm_time_formats(text: str, seconds: int) -> None:
+    assert slurm_time_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("launch.time=24h", "launch.time", "SLURM time limit"),
+    ("launch.time='1:2:3:4'", "launch.time", "SLURM time limit"),
+    ("launch.time=24:00:00", "launch.time", "must be quoted"),  # YAML 1.1 reads it as the number 86400
+    ("launch.time='10:00'", "launch.signal_before_s", "at least a minute"),
+    ("launch.engine_placement=separate", "launch.engine_nodes", "exactly when"),
+    ("launch.engine_nodes=2", "launch.engine_nodes", "exactly when"),
+    ("launch.engine_gpus=3", "launch.engine_gpus", "must divide launch.gpus_per_node (8)"),
+    ("launch.engine_memory_fraction=1.5", "launch.engine_memory_fraction", "(0, 1)"),
+    ("run.resume=never", "launch.requeue", "run.resume 'auto'"),
+    ("launch.env={'NCCL-DEBUG': INFO}", "launch.env.NCCL-DEBUG", "environment variable name"),
+    ("launch.sbatch_extra=[exclusive]", "launch.sbatch_extra[0]", "one sbatch option"),
+    ("launch.partition='gpu large'", "launch.partition", "without spaces"),
+    ("launch.master_port=80", "launch.master_port", "[1024, 65535]"),
+    ("launch.engine_placement=in_process", "launch.engine_placement", "needs rollout.engine 'hf'"),
+])
+def test_launch_section_rejects_bad_values_naming_the_key(override: str, key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        recipe(override)
+    assert info.value.path == key and words in info.value.message
+
+
+def test_colocated_engines_need_a_server_engine() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / TINY, ["launch.engine_placement=colocated"])
+    assert info.value.path == "launch.engine_placement" and "needs rollout.engine sglang or vllm" in str(info.value)
+    assert plan_launch(load_config(ROOT / TINY, ["launch.gpus_per_node=1"])).engines is None  # hf: in-process
+
+
+@pytest.mark.parametrize("overrides,key,needs", [
+    (["launch.gpus_per_node=6"], "parallel.tensor", "6 processes"),  # TP4 does not divide 6
+    (["launch.gpus_per_node=4"], "parallel.expert", "4 processes"),  # ETP1 x EP8 does not divide 4
+    (["parallel.expert_tensor=4"], "parallel.expert", "8 processes"),  # the default ETP = TP4 would need 32
+])
+def test_world_size_must_fit_the_layout(overrides: list[str], key: str, needs: str) -> None:
+    error = config_error(*overrides)
+    assert error.path == key and needs in error.message
+    assert "launch.nodes x launch.gpus_per_node" in error.message and "multiple of" in error.message
+
+
+def test_recipe_places_trainer_and_colocated_sglang_on_one_node() -> None:
+    plan = plan_launch(recipe())
+    assert (plan.layout.world_size, plan.layout.tensor, plan.layout.expert, plan.layout.data) == (8, 4, 8, 2)
+    e = plan.engines
+    assert (e.engine, e.placement, e.first_node, e.nodes, e.servers_per_node, e.gpus_per_server) == \
+        ("sglang", "colocated", 0, 1, 1, 8)
+    assert plan.total_nodes == 1
+    assert e.command[:3] == ("python", "-m", "sglang.launch_server")
+    assert ["--tp-size", "8", "--ep-size", "8"] == list(e.command[e.command.index("--tp-size"):][:4])
+    assert node.PORT_TOKEN in e.command and "--enable-memory-saver" in e.command
+
+
+def test_separate_engine_nodes_come_after_the_trainer() -> None:
+    plan = plan_launch(recipe("launch.nodes=2", "launch.engine_placement=separate", "launch.engine_nodes=3",
+                              "launch.engine_gpus=4", "rollout.engine=vllm", "launch.engine_model=/ckpt/base"))
+    e = plan.engines
+    assert (plan.train_nodes, plan.total_nodes, e.first_node, e.nodes, e.servers_per_node, e.count) == \
+        (2, 5, 2, 3, 2, 6)
+    assert "--enable-sleep-mode" not in e.command and "--enable-expert-parallel" in e.command
+    assert e.command[e.command.index("--model") + 1] == "/ckpt/base"
+
+
+def test_minimal_world_size_is_the_smallest_world_both_grids_tile() -> None:
+    assert minimal_world_size(recipe()) == 8  # TP4 and ETP1 x EP8
+    assert minimal_world_size(recipe("parallel.expert_tensor=2")) == 16
+
+
+# ---- the rendered script ----------------------------------------------------------------------------------------
+
+VARIANTS = {
+    "recipe": [],
+    "srun-launcher": ["launch.launcher=srun", "launch.nodes=2", "launch.master_port=29400"],
+    "separate-vllm": ["rollout.engine=vllm", "launch.engine_placement=separate", "launch.engine_nodes=2",
+                      "launch.engine_gpus=2", "launch.engine_args=[--max-model-len, '32768']"],
+    "cluster": ["launch.partition=h100", "launch.account=proj-42", "launch.qos=high", "launch.cpus_per_task=96",
+                "launch.workdir=/scratch/me/spade", "launch.sbatch_extra=[--exclusive, --constraint=h100]",
+                "launch.setup=['module load cuda/12.4', 'source $HOME/venvs/spade/bin/activate']",
+                "launch.container_image=nvcr.io#nvidia/pytorch:25.01-py3",
+                "launch.container_mounts=['/scratch:/scratch']", "launch.env={HF_HOME: /scratch/hf cache}"],
+    "no-requeue": ["launch.requeue=false", "launch.time='30'"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_rendered_script_is_deterministic_and_valid_bash(name: str, tmp_path: Path) -> None:
+    script = render(*VARIANTS[name])
+    assert script == render(*VARIANTS[name])
+    target = tmp_path / "job.sbatch"
+    target.write_text(script)
+    result = subprocess.run(["bash", "-n", str(target)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def directives(script: str) -> list[str]:
+    return re.findall(r"^#SBATCH (\S+)$", script, flags=re.M)
+
+
+def test_recipe_script_directives_steps_and_environment() -> None:
+    script = render()
+    assert directives(script) == ["--job-name=qwen3_30b_a3b_games", "--nodes=1", "--ntasks-per-node=1",
+                                  "--gpus-per-node=8", "--time=24:00:00", "--output=logs/%x-%j.out",
+                                  "--open-mode=append", "--requeue", "--signal=B:USR1@600"]
+    assert "export NCCL_DEBUG=WARN\n" in script
+    engine, train = (s for s in script.split('"${SRUN[@]}" ')[1:])
+    assert engine.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
+    assert "spade_mega.launch.node serve --servers 1 --gpus-per-server 8 --port 30000 --" in engine
+    assert train.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
+    flat = " ".join(train.replace("\\\n", " ").split())
+    assert ("spade_mega.launch.node exec --launcher torchrun --nproc-per-node 8 --nnodes 1 --shutdown-timeout 540 "
+            "--engines 0:1:1:30000 --engine-timeout 1800 -- -m spade_mega.cli train \"$CONFIG\" &") in flat
+    assert "trap on_time_limit USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_cluster_script_carries_every_setting() -> None:
+    script = render(*VARIANTS["cluster"])
+    found = directives(script)
+    for directive in ("--partition=h100", "--account=proj-42", "--qos=high", "--cpus-per-task=96",
+                      "--chdir=/scratch/me/spade", "--exclusive", "--constraint=h100"):
+        assert directive in found
+    assert "module load cuda/12.4\nsource $HOME/venvs/spade/bin/activate\n" in script
+    assert "export HF_HOME='/scratch/hf cache'\n" in script
+    assert ("SRUN=(srun --kill-on-bad-exit=1 '--container-image=nvcr.io#nvidia/pytorch:25.01-py3' "
+            '--container-workdir="$PWD" --container-mounts=/scratch:/scratch)') in script
+
+
+def test_srun_launcher_runs_one_task_per_gpu() -> None:
+    script = render(*VARIANTS["srun-launcher"])
+    assert "--ntasks-per-node=8" in directives(script) and "--nodes=2" in directives(script)
+    train = script.split('"${SRUN[@]}" ')[-1]
+    assert train.startswith("--overlap --nodes=2 --ntasks=16 --ntasks-per-node=8 --relative=0")
+    assert "--launcher srun" in train and "--master-port 29400" in train
+
+
+def test_separate_engines_get_their_own_nodes() -> None:
+    script = render(*VARIANTS["separate-vllm"])
+    assert "--nodes=3" in directives(script)
+    engine, train = script.split('"${SRUN[@]}" ')[1:]
+    assert engine.startswith("--overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --relative=1")
+    assert "--servers 4 --gpus-per-server 2" in engine and "--max-model-len 32768" in engine
+    assert train.startswith("--nodes=1 --ntasks=1")  # not --overlap: the trainer's node is its own
+    assert "--engines 1:2:4:30000" in train
+
+
+def test_in_process_engine_starts_no_servers() -> None:
+    script = render("launch.gpus_per_node=1", path=TINY)
+    assert "launch.node serve" not in script and "--engines" not in script and script.count('"${SRUN[@]}"') == 1
+    assert "runs the hf engine in-process" in script
+
+
+def test_embedded_config_is_the_resolved_config(tmp_path: Path) -> None:
+    cfg = recipe("selfplay.num_rollouts=7", "launch.nodes=2")
+    script = render_sbatch(cfg, RECIPE)
+    embedded = script.split(f"<<'{CONFIG_DELIMITER}'\n")[1].split(f"\n{CONFIG_DELIMITER}\n")[0]
+    (tmp_path / "c.yaml").write_text(embedded)
+    assert to_dict(load_config(tmp_path / "c.yaml")) == to_dict(cfg)
+
+
+def test_example_sbatch_is_up_to_date() -> None:
+    """examples/slurm/ is rendered from examples/configs/: re-render after changing either side."""
+    committed = (ROOT / "examples" / "slurm" / "qwen3_30b_a3b_games.sbatch").read_text()
+    assert committed == render(), ("examples/slurm/qwen3_30b_a3b_games.sbatch is stale: run `spade-mega launch slurm "
+                                   f"{RECIPE} -o examples/slurm/qwen3_30b_a3b_games.sbatch`")
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_the_script_and_submit_without_sbatch_says_so(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    out = tmp_path / "job.sbatch"
+    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "launch.nodes=2", "-o", str(out)]) == 0
+    assert out.read_text() == render_sbatch(recipe("launch.nodes=2"), str(ROOT / RECIPE))
+    assert os.access(out, os.X_OK)
+    capsys.readouterr()
+    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "-o", str(out), "--submit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"spade-mega: error: sbatch not found on PATH: submit {out} from a SLURM login node"
+
+
+def test_cli_refuses_a_world_the_layout_does_not_fit(capsys) -> None:
+    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "launch.gpus_per_node=6", "-o", "-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("spade-mega: error: parallel.tensor:") and "1 x 6" in err
+
+
+def test_submit_creates_the_log_dir_and_prints_the_job_id(tmp_path: Path, capsys, monkeypatch) -> None:
+    """sbatch itself cannot run here: a stand-in on PATH records its arguments and answers as --parsable does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho '987654;cluster'\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "--submit"]) == 0
+    assert capsys.readouterr().out.strip() == "987654"
+    assert (tmp_path / "args").read_text().split() == ["--parsable", "qwen3_30b_a3b_games.sbatch"]
+    assert (tmp_path / "logs").is_dir()
+
+
+# ---- wiring inside the job --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,hosts", [
+    ("gpu[001-004,010]", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu010"]),
+    ("node7", ["node7"]),
+    ("a[1-3],login,b[08-10]", ["a1", "a2", "a3", "login", "b08", "b09", "b10"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("x[9-11]", ["x9", "x10", "x11"]),
+])
+def test_hostlist_expansion(text: str, hosts: list[str]) -> None:
+    assert node.expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["", "a[1-", "a]", "a,,b", "a[3-1]", "a[x]", "a[]"])
+def test_bad_hostlists_are_named(text: str) -> None:
+    with pytest.raises(node.SlurmEnvError, match="host list" if text else "empty"):
+        node.expand_hostlist(text)
+
+
+def test_wiring_from_a_real_slurm_environment() -> None:
+    wiring = node.node_wiring(SLURM_ENV)
+    assert (wiring.master_addr, wiring.node_rank, wiring.master_port) == ("gpu001", 2, 20000 + 4187321 % 10000)
+    assert node.torch_env(SLURM_ENV, wiring, "torchrun") == {"MASTER_ADDR": "gpu001", "MASTER_PORT": "27321"}
+    assert node.torch_env(SLURM_ENV, wiring, "srun") == {
+        "MASTER_ADDR": "gpu001", "MASTER_PORT": "27321", "RANK": "19", "WORLD_SIZE": "40", "LOCAL_RANK": "3",
+        "GROUP_RANK": "2", "LOCAL_WORLD_SIZE": "8"}
+    command = node.node_command(SLURM_ENV, wiring, "torchrun", 8, 4, ["-m", "spade_mega.cli", "train", "c.yaml"],
+                                shutdown_timeout_s=540)
+    assert command[1:] == ["-m", "torch.distributed.run", "--nnodes=4", "--nproc-per-node=8", "--node-rank=2",
+                           "--master-addr=gpu001", "--master-port=27321",
+                           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=540",
+                           "-m", "spade_mega.cli", "train", "c.yaml"]
+    assert wiring.engine_urls(4, 1, 2, 30000) == ["http://gpu010:30000", "http://gpu010:30001"]
+
+
+def test_wiring_errors_name_the_variable() -> None:
+    with pytest.raises(node.SlurmEnvError, match="SLURM_JOB_NODELIST is not set"):
+        node.node_wiring({"SLURM_NODEID": "0"})
+    with pytest.raises(node.SlurmEnvError, match="SLURM_NODEID=5 but the job has 5 nodes"):
+        node.node_wiring({**SLURM_ENV, "SLURM_NODEID": "5"})
+    with pytest.raises(node.SlurmEnvError, match="SLURM_JOB_ID is not set"):
+        node.node_wiring({k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_ID"})
+    wiring = node.node_wiring(SLURM_ENV, master_port=29500)
+    with pytest.raises(node.SlurmEnvError, match="not one of the trainer's 2 nodes"):
+        node.node_command(SLURM_ENV, wiring, "torchrun", 8, 2, ["x.py"])
+    with pytest.raises(node.SlurmEnvError, match="engine nodes 4..5 lie outside"):
+        wiring.engine_urls(4, 2, 1, 30000)
+
+
+def job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a one-node job on this machine, as srun gives it (SLURM's own variables)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env.update(SLURM_JOB_ID="123", SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0", PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS="1", SPADE_TEST_OUT=str(tmp_path), **extra)
+    return env
+
+
+def read_ranks(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.multiproc
+def test_srun_direct_tasks_form_one_world(tmp_path: Path) -> None:
+    """Two srun tasks of one node (srun's variables, no RANK): the wrapper wires them and init_distributed joins
+    them into one gloo world (without it, it refuses: each task would train alone)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "spade_mega.launch.node", "exec", "--launcher", "srun",
+                               "--nproc-per-node", "2", "--nnodes", "1", "--master-port", str(port), "--",
+                               str(DATA / "allreduce.py"), "cfg.yaml", "a.b=1"],
+                              env=job_env(tmp_path, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                                          SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS_PER_NODE="2"))
+             for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ranks = read_ranks(tmp_path, 2)
+    assert [(r["rank"], r["world"], r["local_rank"], r["sum"]) for r in ranks] == [(0, 2, 0, 3.0), (1, 2, 1, 3.0)]
+    assert {(r["master_addr"], r["master_port"]) for r in ranks} == {("localhost", port)}
+    assert ranks[0]["args"] == ["cfg.yaml", "a.b=1"]
+
+
+@pytest.mark.multiproc
+def test_torchrun_node_passes_the_time_limit_signal_to_every_rank(tmp_path: Path) -> None:
+    """One node's torchrun, started by the wrapper as the job script does, waits for the engine servers, starts both
+    ranks with their URLs, and hands SIGUSR1 (the script's time-limit warning) on to them."""
+    engine_port = free_port()
+    server = subprocess.Popen([sys.executable, str(DATA / "health_server.py"), str(engine_port)])
+    try:
+        torchrun = subprocess.Popen(
+            [sys.executable, "-m", "spade_mega.launch.node", "exec", "--launcher", "torchrun", "--nproc-per-node",
+             "2", "--nnodes", "1", "--master-port", str(free_port()), "--shutdown-timeout", "60",
+             "--engines", f"0:1:1:{engine_port}", "--engine-timeout", "60", "--", str(DATA / "allreduce.py")],
+            env=job_env(tmp_path, SPADE_TEST_WAIT_USR1="1"))
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert torchrun.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.1)
+        torchrun.send_signal(signal.SIGUSR1)
+        torchrun.wait(timeout=90)
+    finally:
+        server.terminate()
+        server.wait()
+    ranks = read_ranks(tmp_path, 2)
+    assert [(r["rank"], r["world"], r["sum"], r["usr1"]) for r in ranks] == [(0, 2, 3.0, True), (1, 2, 3.0, True)]
+    assert {r["engine_urls"] for r in ranks} == {f"http://localhost:{engine_port}"}
+
+
+@pytest.mark.multiproc
+def test_launch_local_runs_the_layouts_ranks(tmp_path: Path) -> None:
+    """`spade-mega launch local` with parallel.tensor=2: two ranks by default, under a real torchrun."""
+    overrides = ["parallel.tensor=2", "model.num_experts=0"]
+    cfg = load_config(ROOT / TINY, overrides)
+    assert "--nproc-per-node=2" in local_command(cfg, TINY, overrides, script=str(DATA / "allreduce.py"))
+    result = subprocess.run([sys.executable, "-m", "spade_mega.cli", "launch", "local", str(ROOT / TINY), *overrides,
+                             "--script", str(DATA / "allreduce.py")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env=job_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    ranks = read_ranks(tmp_path, 2)
+    assert [(r["rank"], r["world"], r["sum"]) for r in ranks] == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert ranks[1]["args"] == [str(ROOT / TINY), *overrides]
+
+
+def test_launch_local_refuses_a_process_count_the_layout_does_not_fit() -> None:
+    cfg = load_config(ROOT / TINY, ["parallel.tensor=2", "model.num_experts=0"])
+    with pytest.raises(ConfigError, match="launch local runs 3 processes; the layout needs a multiple of 2"):
+        local_command(cfg, TINY, [], nproc=3)
+
+
+# ---- engine servers on a node -----------------------------------------------------------------------------------
+
+
+def test_serve_splits_the_gpus_and_stops_every_server_on_sigterm(tmp_path: Path) -> None:
+    base = free_port()
+    command = [sys.executable, "-m", "spade_mega.launch.node", "serve", "--servers", "2", "--gpus-per-server", "2",
+               "--port", str(base), "--", sys.executable, str(DATA / "health_server.py"), node.PORT_TOKEN]
+    serve = subprocess.Popen(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+                                           "PYTHONPATH": str(ROOT)})
+    urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    try:
+        node.wait_healthy(urls, timeout_s=60, poll_s=0.2)
+        import urllib.request
+
+        gpus = [json.loads(urllib.request.urlopen(f"{u}/health").read())["gpus"] for u in urls]
+        assert gpus == ["4,5", "6,7"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        status = serve.wait(timeout=60)
+    assert status == 128 + signal.SIGTERM
+    with pytest.raises(node.SlurmEnvError, match=r"not healthy after 0.5 s: http://127.0.0.1:\d+ \("):
+        node.wait_healthy(urls[:1], timeout_s=0.5, poll_s=0.1)
+
+
+def test_serve_stops_the_node_when_one_server_crashes() -> None:
+    base = free_port()
+    commands = [([sys.executable, str(DATA / "health_server.py"), str(base), "0.5", "3"], dict(os.environ)),
+                ([sys.executable, str(DATA / "health_server.py"), str(base + 1)], dict(os.environ))]
+    started = time.monotonic()
+    assert node.serve(commands, poll_s=0.1) == 3
+    assert time.monotonic() - started < 30
+    with pytest.raises(node.SlurmEnvError):  # the healthy one was stopped with it
+        node.wait_healthy([f"http://127.0.0.1:{base + 1}"], timeout_s=0.3, poll_s=0.1)
+
+
+def test_server_command_needs_its_port_token() -> None:
+    with pytest.raises(node.SlurmEnvError, match=r"must contain \{port\}"):
+        node.server_commands(["server", "--port", "30000"], 1, 8, 30000, {})
+    with pytest.raises(node.SlurmEnvError, match="need 16 GPUs, this node shows 8"):
+        node.server_commands(["s", "{port}"], 2, 8, 30000, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
