@@ -17,7 +17,8 @@ from spade_mega.errors import SpadeError
 # Each module defines ``register(subparsers)`` adding its command with ``set_defaults(func=handler)``;
 # a handler takes the parsed namespace and returns an exit status.
 COMMAND_MODULES = ("spade_mega.config.commands", "spade_mega.curriculum.commands", "spade_mega.envs.commands",
-                   "spade_mega.monitor.commands", "spade_mega.launch.commands")
+                   "spade_mega.monitor.commands", "spade_mega.bridge.commands", "spade_mega.launch.commands",
+                   "spade_mega.selfplay.commands")
 
 USAGE_ERROR = 2
 

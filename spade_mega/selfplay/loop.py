@@ -1,0 +1,457 @@
+"""The SPADE loop: regenerate environments, play them, pay the agent now and the designer later, train, sync, save.
+
+One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
+
+1. Every ``selfplay.regen_interval`` rollouts the designer writes ``rollout.envs_per_rollout`` environments for the
+   skills the scheduler makes active, each prompt grounded in a corpus document and steered by the memory's seeds
+   and negatives. Every output is proposed to the memory with its validation verdict and enters the delayed
+   designer buffer (an invalid one marked failed: a bounded penalty). The valid programs are the environment set
+   until the next regeneration; with ``selfplay.library_fallback``, slots left empty are filled with library
+   programs of the active skills, which never pay a designer.
+2. The agent plays every environment ``agent_trajectories_per_env`` times without the hint (trained on) and
+   ``hint_plays_per_env`` times with it (regret only); all plays of an environment start from the same reset seed.
+   The plays go to the buffer (designer environments), the memory (every environment) and the per-skill trackers.
+3. Agent advantages per environment group; designer samples whose delay expired are released with their reward and
+   centred per skill (times ``env_reward_scale``); the mixed batch is cut into optimizer steps of
+   ``selfplay.global_batch_size``; after the last step the new weights are streamed into the engine.
+4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
+   saved together (state.py).
+
+Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
+the rollout, and broadcasts each rollout's samples and metrics, so every rank trains on the same batch. Metrics are
+logged per rollout (the MetricsLogger step is the rollout index).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from spade_mega.config.loader import prepare_run_dir
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.curriculum.corpus import Corpus, GroundingSampler
+from spade_mega.curriculum.memory import EnvMemory
+from spade_mega.curriculum.prompts import PromptBuilder
+from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale
+from spade_mega.curriculum.skills import SkillRegistry, SkillScheduler
+from spade_mega.envs import library
+from spade_mega.envs.program import EnvProgram
+from spade_mega.envs.sandbox import SandboxPool
+from spade_mega.megatron.batch import TrainSample
+from spade_mega.megatron.train import StepResult, Trainer
+from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging
+from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
+from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
+from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
+
+log = logging.getLogger("spade_mega.selfplay")
+
+# train-step metrics that add up over the optimizer steps of a rollout; the others are averaged
+_SUMMED = ("loss_tokens", "tokens", "step_time_s", "micro_batches", "samples_agent", "samples_designer")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What :func:`run` did: the run directory, where it started and ended, and the report it wrote."""
+
+    run_dir: Path
+    resumed_from: Optional[int]  # the rollout of the checkpoint resumed from; None for a new run
+    rollouts: int  # rollouts completed, in all
+    report: Optional[Path]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+class _Actor:
+    """Rank 0's side of the loop: engine, sandbox, memory, curriculum, the delayed buffer; produces the samples."""
+
+    def __init__(self, cfg: SpadeConfig, run_dir: Path) -> None:
+        from spade_mega.inference import build_engine
+        from spade_mega.rollout import Rollout
+        from spade_mega.tokenizer import load_tokenizer
+
+        self.cfg = cfg
+        self.closing: list[Any] = []
+        try:
+            tokenizer = load_tokenizer(cfg.model.tokenizer)
+            registry = SkillRegistry.from_config(cfg.curriculum)
+            self.scheduler = SkillScheduler(registry, cfg.curriculum.active_skills)
+            self.sampler = GroundingSampler(Corpus.build(cfg.curriculum.corpus), registry.domains(), tokenizer,
+                                            cfg.curriculum.corpus.token_budget, cfg.run.seed)
+            self.memory = EnvMemory.for_run(cfg.curriculum.memory, run_dir)
+            self.closing.append(self.memory)
+            self.pool = SandboxPool(cfg.sandbox)
+            self.closing.append(self.pool)
+            self.engine = build_engine(cfg, tokenizer)
+            self.closing.append(self.engine)
+            self.rollouts = Rollout(cfg, self.engine, self.pool, PromptBuilder.from_config(cfg, tokenizer))
+        except BaseException:
+            self.close()
+            raise
+        self.buffer = DelayedDesignerBuffer(cfg.rewards, cfg.selfplay.designer_delay)
+        self.trackers = SkillTrackers.from_config(cfg.rewards)
+        self.environments: list[ActiveEnv] = []
+        self.active_skills: list[str] = []
+        r = cfg.rollout
+        self.designer_scale = env_reward_scale(r.envs_per_rollout * r.agent_trajectories_per_env,
+                                               r.envs_per_rollout, cfg.selfplay.regen_interval,
+                                               cfg.rewards.env_reward_scale_cap)
+
+    def close(self) -> None:
+        for part in reversed(self.closing):
+            part.close()
+        self.closing = []
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def state(self, rollout: int) -> LoopState:
+        return LoopState(rollout=rollout, active_skills=list(self.active_skills),
+                         environments=list(self.environments), buffer=self.buffer.state_dict(),
+                         scheduler=self.scheduler.state_dict(), trackers=self.trackers.state_dict())
+
+    def restore(self, state: LoopState) -> None:
+        """The loop state of a checkpoint; the memory forgets what the rollouts after it wrote."""
+        self.buffer.load_state_dict(state.buffer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.trackers.load_state_dict(state.trackers)
+        self.environments, self.active_skills = list(state.environments), list(state.active_skills)
+        discarded = self.memory.discard_after(state.rollout)
+        if any(discarded.values()):
+            log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (replayed "
+                     "now)", discarded["environments"], discarded["evaluations"], state.rollout)
+
+    # --- one rollout ------------------------------------------------------------------------------------------
+
+    def rollout(self, r: int) -> tuple[list[TrainSample], dict[str, float]]:
+        """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
+        metrics: dict[str, float] = {}
+        if (r - 1) % self.cfg.selfplay.regen_interval == 0:
+            started = time.perf_counter()
+            metrics.update(self.regenerate(r))
+            metrics["time/regenerate_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        trajectories, play_metrics = self.play(r)
+        metrics.update(play_metrics)
+        metrics["time/play_s"] = time.perf_counter() - started
+        released = self.buffer.release(r, self.trackers)
+        trajectories += self.designer_trajectories(released, metrics)
+        if trajectories:
+            samples = train_samples(trajectories,
+                                    advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels))
+        else:
+            samples = []
+        metrics["envs/count"] = float(len(self.environments))
+        metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
+        metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
+        metrics["designer/pending"] = float(len(self.buffer))
+        metrics["memory/environments"] = float(len(self.memory))
+        return samples, metrics
+
+    def regenerate(self, r: int) -> dict[str, float]:
+        """A new environment set: designer outputs, validated, proposed to memory, queued for their reward."""
+        from spade_mega.rollout import DesignerSlot
+
+        cfg, mem = self.cfg, self.cfg.curriculum.memory
+        self.active_skills = self.scheduler.next_active()
+        slots = []
+        for i in range(cfg.rollout.envs_per_rollout):
+            skill = self.active_skills[i % len(self.active_skills)]
+            slots.append(DesignerSlot(
+                skill=skill, document=self.sampler.sample(skill, r, i),
+                seeds=tuple(self.memory.seeds(skill, mem.seeds_per_prompt, mem.prompt_window)),
+                negatives=tuple(self.memory.negatives(skill, mem.negatives_per_prompt, mem.prompt_window)),
+                sampling_seed=derive_seed(cfg.run.seed, "designer", r, i)))
+        batch = self.rollouts.design(slots, iteration=r)
+        outcomes = batch.outcomes
+        programs: dict[int, EnvProgram] = {}
+        for i, outcome in enumerate(outcomes):
+            if outcome.program is not None:
+                p = outcome.program
+                programs[i] = EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "slot": i})
+        self.memory.propose_many(programs.values())
+        for i, program in programs.items():
+            report = outcomes[i].validation
+            self.memory.set_validation(program.content_hash, outcomes[i].valid,
+                                       None if report is None or report.reason is None else report.reason.value)
+        for i, outcome in enumerate(outcomes):
+            seq = outcome.sequence
+            self.buffer.add(DesignerSample(
+                sample_id=f"r{r}-s{i}", env_id=programs[i].content_hash if i in programs else f"unparsed-r{r}-s{i}",
+                skill=outcome.skill, step=r, policy_version=seq.policy_version or 0, token_ids=seq.token_ids,
+                loss_mask=seq.loss_mask, behaviour_logprobs=seq.behaviour_logprobs, failure=outcome.failure,
+                metadata={"slot": i, "valid": outcome.valid, "rejection": outcome.rejection}))
+
+        self.environments = []
+        seen: set[str] = set()
+        for i, outcome in enumerate(outcomes):
+            if outcome.valid and programs[i].content_hash not in seen:
+                seen.add(programs[i].content_hash)
+                self.environments.append(ActiveEnv(programs[i], "designer", i, r))
+        library_envs = self.library_fill(r, {e.slot for e in self.environments}, seen) \
+            if cfg.selfplay.library_fallback else []
+        self.environments = sorted(self.environments + library_envs, key=lambda e: e.slot)
+
+        valid = sum(o.valid for o in outcomes)
+        metrics = {"designer/valid_rate": valid / len(outcomes), "designer/outputs": float(len(outcomes)),
+                   "designer/parsed": float(len(programs)), "designer/output_tokens":
+                   _mean([float(o.sequence.num_generated) for o in outcomes]),
+                   "designer/library_fill": float(len(library_envs))}
+        metrics.update(batch.stats.metrics("perf/designer"))
+        return metrics
+
+    def library_fill(self, r: int, filled: set[int], seen: set[str]) -> list[ActiveEnv]:
+        """Library programs of the active skills for the slots without a valid designer environment, each checked
+        by the validator like a designer's (cheap, and a broken library render must not reach the agent)."""
+        chosen: list[tuple[int, EnvProgram]] = []
+        for i in range(self.cfg.rollout.envs_per_rollout):
+            skill = self.active_skills[i % len(self.active_skills)]
+            if i in filled or skill not in library.SKILLS:
+                continue
+            entries = [e for e in library.by_skill(skill)
+                       if e.program().content_hash not in seen | {p.content_hash for _, p in chosen}]
+            if not entries:
+                continue
+            entry = random.Random(derive_seed(self.cfg.run.seed, "library", r, i)).choice(entries)
+            p = entry.program()
+            chosen.append((i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i})))
+        reports = self.rollouts.validator.validate_many([p for _, p in chosen])
+        self.memory.propose_many(p for _, p in chosen)
+        envs = []
+        for (i, program), report in zip(chosen, reports):
+            self.memory.set_validation(program.content_hash, report.ok,
+                                       None if report.reason is None else report.reason.value)
+            if report.ok:
+                envs.append(ActiveEnv(program, "library", i, r))
+            else:
+                log.warning("library program %s failed validation (%s: %s); its slot stays empty",
+                            program.provenance.get("name"), report.reason.value if report.reason else "", report.detail)
+        return envs
+
+    def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers."""
+        from spade_mega.rollout import AgentPlay
+
+        cfg, seed = self.cfg, self.cfg.run.seed
+        plays = []
+        for e, env in enumerate(self.environments):
+            reset_seed = derive_seed(seed, "reset", r, e)
+            for hinted, count in ((False, cfg.rollout.agent_trajectories_per_env),
+                                  (True, cfg.rollout.hint_plays_per_env)):
+                plays += [AgentPlay(env.env_id, env.program, reset_seed, hinted=hinted,
+                                    sampling_seed=derive_seed(seed, "hint" if hinted else "agent", r, e, k))
+                          for k in range(count)]
+        if not plays:
+            return [], {}
+        batch = self.rollouts.play(plays)
+        episodes = batch.episodes
+        trajectories, agent_returns, hint_returns, wins, failures = [], [], [], [], 0
+        regrets, by_skill, failed = [], {}, set()
+        for e, env in enumerate(self.environments):
+            mine = [ep for ep in episodes if ep.env_id == env.env_id]
+            agent = [ep.reward for ep in mine if not ep.hinted]
+            hint = [ep.reward for ep in mine if ep.hinted]
+            agent_returns += agent
+            hint_returns += hint
+            wins += [ep.reward >= cfg.rewards.solve_threshold for ep in mine if not ep.hinted]
+            by_skill.setdefault(env.skill, []).extend(agent)
+            if env.env_id in self.buffer:
+                self.buffer.record_plays(env.env_id, r, agent)
+                if hint:
+                    self.buffer.record_plays(env.env_id, r, hint, hinted=True)
+            broke = [ep.designer_failure for ep in mine if ep.designer_failure is not None]
+            failures += len([ep for ep in mine if ep.failure is not None])
+            if broke:
+                failed.add(env.env_id)
+                if env.env_id in self.buffer:
+                    self.buffer.mark_failed(env.env_id, "step_timeout" if "step_timeout" in broke else broke[0])
+            win_rate = _mean(agent) if agent else 0.0
+            win_rate_hint = _mean(hint) if hint else win_rate
+            regrets.append(win_rate_hint - win_rate)
+            self.memory.record_evaluation(env.env_id, r, win_rate=win_rate, win_rate_hint=win_rate_hint,
+                                          plays=len(agent), hint_plays=len(hint))
+            trajectories += [Trajectory(ep.sequence.token_ids, ep.sequence.loss_mask, ep.sequence.behaviour_logprobs,
+                                        "agent", ep.reward, f"env{e}") for ep in mine if ep.trainable]
+        for skill, returns in by_skill.items():
+            if returns:
+                self.trackers.update(skill, _mean(returns))
+        if failed:  # a program that broke in play teaches nothing more until the next regeneration
+            log.warning("rollout %d: %d environment(s) failed in the sandbox and leave the set", r, len(failed))
+            self.environments = [env for env in self.environments if env.env_id not in failed]
+        metrics = {"agent/return": _mean(agent_returns) if agent_returns else 0.0,
+                   "agent/win_rate": _mean(wins) if wins else 0.0,
+                   "agent/episodes": float(len(agent_returns)),
+                   "agent/trained_episodes": float(len(trajectories)),
+                   "agent/failed_episodes": float(failures),
+                   "agent/turns": _mean([float(ep.turns) for ep in episodes]),
+                   "designer/regret": _mean(regrets) if regrets else 0.0}
+        if hint_returns:
+            metrics["agent/hint_return"] = _mean(hint_returns)
+        metrics.update(batch.stats.metrics("perf/agent"))
+        return trajectories, metrics
+
+    def designer_trajectories(self, released: Sequence[ReleasedDesignerSample],
+                              metrics: dict[str, float]) -> list[Trajectory]:
+        """The released designer samples as trajectories of their skill; their rewards go to the memory too."""
+        out = []
+        for item in released:
+            s, reward = item.sample, item.reward
+            out.append(Trajectory(s.token_ids, s.loss_mask, s.behaviour_logprobs, "designer", reward.value,
+                                  s.skill, valid=not reward.masked))
+            if s.metadata.get("valid") and not reward.masked:
+                self.memory.set_designer_reward(s.env_id, s.step, reward.value)
+        if released:
+            paid = [item.reward.value for item in released if not item.reward.masked]
+            metrics["designer/released"] = float(len(released))
+            metrics["designer/masked"] = float(len(released) - len(paid))
+            metrics["designer/penalised"] = float(sum(item.sample.failure is not None for item in released))
+            if paid:
+                metrics["designer/reward"] = _mean(paid)
+        return out
+
+
+class SelfPlay:
+    """One run of the loop on this rank. ``run()`` resumes as ``run.resume`` says, runs the remaining rollouts and
+    writes the report; construct it on every rank of the job."""
+
+    def __init__(self, cfg: SpadeConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        self.store = CheckpointStore(self.run_dir)
+
+    def _steps_estimate(self) -> int:
+        """Optimizer steps of the whole run, for a decaying learning-rate schedule's horizon: every environment's
+        agent plays and one designer sample per slot, per rollout."""
+        r, s = self.cfg.rollout, self.cfg.selfplay
+        per_rollout = math.ceil(r.envs_per_rollout * (r.agent_trajectories_per_env + 1) / s.global_batch_size)
+        return s.num_rollouts * per_rollout
+
+    def _checkpoint_to_resume(self) -> Optional[Path]:
+        latest = self.store.latest()
+        mode = self.cfg.run.resume
+        if mode == "never" and latest is not None:
+            raise ResumeError(f"{self.store.root} holds checkpoints (newest {latest.name}) but run.resume is never: "
+                              "a new run would overwrite them; give the run another run.name (or run.output_dir), "
+                              "move the folder away, or resume with run.resume: auto")
+        if mode == "must" and latest is None:
+            raise ResumeError(f"run.resume is must but {self.store.root} holds no complete checkpoint to resume "
+                              "from; check run.output_dir and run.name, or use run.resume: auto")
+        return latest
+
+    def run(self) -> RunSummary:
+        cfg = self.cfg
+        setup_logging(cfg.logging)
+        checkpoint = self._checkpoint_to_resume()
+        state = self.store.read_state(checkpoint) if checkpoint is not None else None
+        trainer = Trainer(cfg, total_steps=self._steps_estimate())
+        rank = dist.get_rank()
+        if rank == 0:
+            prepare_run_dir(cfg)
+        actor = _Actor(cfg, self.run_dir) if rank == 0 else None
+        try:
+            return self._run(trainer, actor, checkpoint, state)
+        finally:
+            if actor is not None:
+                actor.close()
+
+    def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
+             state: Optional[LoopState]) -> RunSummary:
+        from spade_mega.bridge import sync_weights
+
+        cfg = self.cfg
+        start = 0
+        if checkpoint is not None and state is not None:
+            trainer.load(str(checkpoint))
+            start = state.rollout
+            if actor is not None:
+                actor.restore(state)
+            log.info("resumed from %s (rollout %d, optimizer step %d)", checkpoint, start, trainer.step)
+        elif actor is not None:
+            actor.memory.discard_after(0)  # a run that never saved replays from its first rollout
+        sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
+        total = cfg.selfplay.num_rollouts
+        with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None) \
+                as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
+            for r in range(start + 1, total + 1):
+                began = time.perf_counter()
+                payload = actor.rollout(r) if actor is not None else None
+                samples, values = _broadcast(payload)
+                values["time/rollout_s"] = time.perf_counter() - began
+                values.update(self._train(trainer, samples, r))
+                synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
+                values["time/sync_s"] = synced.seconds
+                values["perf/sync_mb_per_s"] = synced.mb_per_s
+                if r % cfg.selfplay.save_interval == 0 or r == total:
+                    started = time.perf_counter()
+                    self._save(trainer, actor, r)
+                    values["time/checkpoint_s"] = time.perf_counter() - started
+                values["time/iteration_s"] = time.perf_counter() - began
+                values["train/optimizer_step"] = float(trainer.step)
+                metrics.log(r, values)
+                bar.update(r, values)
+        report = None
+        if dist.get_rank() == 0:
+            from spade_mega.monitor.report import build_report
+
+            report = build_report(self.run_dir).html
+        return RunSummary(self.run_dir, start if checkpoint is not None else None, max(start, total), report)
+
+    def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> dict[str, float]:
+        """The rollout's optimizer steps. Old log-probs come from one forward before the first step, so every step
+        of the rollout clips against the policy that the rollout started from (PPO's minibatch convention)."""
+        if not samples:
+            return {"train/steps": 0.0}
+        started = time.perf_counter()
+        gaps = []
+        for sample, values in zip(samples, trainer.logprobs(samples)):
+            sample.old_logprobs = values
+            if sample.role == "agent":  # played this rollout with the weights the trainer holds now
+                gaps.append((values - sample.rollout_logprobs)[sample.loss_mask].abs())
+        results: list[StepResult] = [trainer.train_step(batch) for batch in
+                                     optimizer_batches(samples, self.cfg.selfplay.global_batch_size,
+                                                       derive_seed(self.cfg.run.seed, "batch", r))]
+        out = {"train/steps": float(len(results)), "train/updated": float(sum(res.updated for res in results))}
+        for key in results[0].metrics:
+            values = [res.metrics[key] for res in results if key in res.metrics]
+            out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
+        out["train/tokens_per_s"] = out["train/tokens"] / max(out["train/step_time_s"], 1e-9)
+        if gaps:  # engine vs trainer log-probs of the same tokens under the same weights: numerics, or a failed sync
+            gap = torch.cat(gaps)
+            out["train/rollout_logprob_abs_diff"] = float(gap.mean())
+            out["train/rollout_logprob_abs_diff_max"] = float(gap.max())
+        out["time/train_s"] = time.perf_counter() - started
+        return out
+
+    def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
+        """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""
+        if actor is not None:
+            self.store.write_state(trainer.step, actor.state(r))
+        dist.barrier()
+        trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
+        if actor is not None:
+            self.store.prune_states()
+
+
+def _broadcast(payload: Optional[tuple[list[TrainSample], dict[str, float]]]) -> tuple[list[TrainSample],
+                                                                                        dict[str, float]]:
+    """Rank 0's samples and metrics on every rank (the trainer takes the same global batch everywhere)."""
+    if dist.get_world_size() == 1:
+        assert payload is not None
+        return payload
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run(cfg: SpadeConfig) -> RunSummary:
+    """Run (or resume) the self-play loop of ``cfg``; every rank of the job calls it."""
+    return SelfPlay(cfg).run()
