@@ -115,14 +115,14 @@ class HFEngine:
         # named_parameters lists a tied lm_head once, under model.embed_tokens.weight
         return dict(self._live_model().named_parameters())
 
-    def _target(self, name: str) -> _Target:
-        if self.tied and name == "lm_head.weight":  # tied checkpoints may still carry the head: the same tensor
-            name = "model.embed_tokens.weight"
-        target = self._targets.get(name)
-        if target is None:
+    def _canonical(self, name: str) -> str:
+        """The checkpoint name ``name`` stands for: a tied model's head is its embedding (checkpoints may carry both)."""
+        if self.tied and name == "lm_head.weight":
+            return "model.embed_tokens.weight"
+        if name not in self._targets:
             raise EngineError(f"weight update: the model has no tensor {name!r} (expected Hugging Face checkpoint "
                               f"names such as {next(iter(self._targets))!r})")
-        return target
+        return name
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint name a complete update must carry, with its shape (what the bridge must send)."""
@@ -147,7 +147,8 @@ class HFEngine:
                 for bucket in buckets:
                     checked = []
                     for name, tensor in bucket.items():
-                        target = self._target(name)
+                        canonical = self._canonical(name)
+                        target = self._targets[canonical]
                         view = params[target.param][target.index]
                         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                             raise EngineError(f"weight update: {name!r} must be a floating-point tensor, got "
@@ -155,12 +156,11 @@ class HFEngine:
                         if tuple(tensor.shape) != tuple(view.shape):
                             raise EngineError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's "
                                               f"is {tuple(view.shape)}")
-                        checked.append((name, view, tensor))
-                    for name, view, tensor in checked:
+                        checked.append((canonical, view, tensor))
+                    for canonical, view, tensor in checked:
                         started = True
                         view.copy_(tensor)
-                        missing.discard(name if not (self.tied and name == "lm_head.weight")
-                                        else "model.embed_tokens.weight")
+                        missing.discard(canonical)
             if missing:
                 shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                 raise EngineError(f"weight update to version {version} is incomplete: no tensor for {shown}")
