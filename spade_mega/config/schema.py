@@ -130,10 +130,11 @@ class RolloutConfig:
     envs_per_rollout: int = 24
     agent_trajectories_per_env: int = 16
     hint_plays_per_env: int = 16
+    max_open_envs: int = 128  # environments open at once while playing (each holds one sandbox worker)
 
     def check(self) -> None:
         _positive("rollout", self, "max_response_tokens", "max_designer_tokens", "max_context_tokens",
-                  "max_turns", "envs_per_rollout", "agent_trajectories_per_env")
+                  "max_turns", "envs_per_rollout", "agent_trajectories_per_env", "max_open_envs")
         for name in ("temperature", "hint_temperature"):
             value = getattr(self, name)
             _require(value >= 0.0, f"rollout.{name}", f"must be >= 0, got {value}")

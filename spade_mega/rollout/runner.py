@@ -1,0 +1,42 @@
+"""The rollout of one run: its engine, prompts, sandbox pool and validator, for the self-play loop to call."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.curriculum.prompts import PromptBuilder
+from spade_mega.envs.sandbox import SandboxPool
+from spade_mega.envs.validate import SolvabilityCheck, Validator
+from spade_mega.inference.base import Engine
+from spade_mega.monitor.progress import RunProgress
+from spade_mega.rollout.agent import AgentBatch, play_episodes
+from spade_mega.rollout.chat import ChatTurns
+from spade_mega.rollout.designer import DesignerBatch, generate_designs
+from spade_mega.rollout.records import AgentPlay, DesignerSlot
+
+
+class Rollout:
+    """``design(slots)`` asks the designer for environments; ``play(plays)`` runs agent episodes and hint plays.
+
+    The engine and the pool belong to the caller (one each per run); the tokenizer must be the engine's.
+    """
+
+    def __init__(self, cfg: SpadeConfig, engine: Engine, pool: SandboxPool, builder: PromptBuilder,
+                 solvability: Optional[SolvabilityCheck] = None) -> None:
+        self.cfg, self.engine, self.pool = cfg, engine, pool
+        self.chat = ChatTurns(builder)
+        self.validator = Validator(pool, cfg.validation, solvability=solvability, rollout_turns=cfg.rollout.max_turns)
+
+    @classmethod
+    def from_config(cls, cfg: SpadeConfig, engine: Engine, pool: SandboxPool, tokenizer: Any = None,
+                    **kwargs: Any) -> "Rollout":
+        """The run's rollout: prompts from ``PromptBuilder.from_config`` with ``tokenizer`` (``model.tokenizer``
+        unless given)."""
+        return cls(cfg, engine, pool, PromptBuilder.from_config(cfg, tokenizer), **kwargs)
+
+    def design(self, slots: Sequence[DesignerSlot], iteration: Optional[int] = None) -> DesignerBatch:
+        return generate_designs(self.engine, self.chat, self.validator, self.cfg, slots, iteration)
+
+    def play(self, plays: Sequence[AgentPlay], progress: Optional[RunProgress] = None) -> AgentBatch:
+        return play_episodes(self.engine, self.chat, self.pool, self.cfg, plays, progress)
