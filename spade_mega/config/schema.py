@@ -150,15 +150,29 @@ class RolloutConfig:
 @dataclass
 class InferenceConfig:
     """Settings of the inference engines (spade_mega/inference). The in-process ``hf`` engine reads ``device``,
-    ``dtype``, ``max_batch_size`` and ``hf_weights``."""
+    ``dtype``, ``max_batch_size`` and ``hf_weights``; the ``vllm`` and ``sglang`` servers read ``dtype``,
+    ``hf_weights`` (the folder they serve) and the ``server_*`` / timeout fields below."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when there is a GPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: model.params_dtype
     max_batch_size: int = 64  # sequences decoded together; bigger rollouts run in chunks
     hf_weights: Optional[str] = None  # local Hugging Face folder (*.safetensors) loaded at start; None = random init
+    # servers started elsewhere (SLURM: $SPADE_ENGINE_URLS) to attach to; empty: start one here
+    server_urls: list[str] = field(default_factory=list)
+    server_python: Optional[str] = None  # Python that has vllm / sglang (e.g. .venv-vllm/bin/python); None: this one
+    server_args: list[str] = field(default_factory=list)  # appended to the server command a run starts
+    tensor_parallel: int = 1  # GPUs of a server this run starts
+    startup_timeout_s: float = 600.0  # a server must answer its health check within this
+    request_timeout_s: float = 600.0  # one completion, or one weight reload
+    concurrency: int = 64  # requests in flight per server (the server batches them)
+    weight_sync_dir: Optional[str] = None  # where updates are staged for the servers to load; None: /dev/shm
 
     def check(self) -> None:
-        _positive("inference", self, "max_batch_size")
+        _positive("inference", self, "max_batch_size", "tensor_parallel", "startup_timeout_s", "request_timeout_s",
+                  "concurrency")
+        for i, url in enumerate(self.server_urls):
+            _require(url.startswith(("http://", "https://")), f"inference.server_urls[{i}]",
+                     f"must be an http(s) URL, got {url!r}")
 
 
 @dataclass

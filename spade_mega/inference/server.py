@@ -1,0 +1,492 @@
+"""Inference engines that live in a server process (vLLM, SGLang): start one or attach to one, talk JSON over HTTP,
+hand it new weights through a folder, stop it.
+
+The two engines differ only in their command line, their request/response format and the endpoint that reloads
+weights; everything else is here, once:
+
+- :class:`Server`: starts the server in its own process group (so its workers die with it), waits for its health
+  endpoint with a timeout, and on failure raises an :class:`EngineError` that quotes the tail of the server's log.
+- :class:`ServerEngine`: the :class:`~spade_mega.inference.base.Engine` over a :class:`Server`: concurrent requests
+  (a thread per request in flight; the server batches them), request errors named by request, weight updates.
+
+Weight updates go through a folder of safetensors files (one per bucket) that the server reloads from disk. It is
+the one path both servers offer over plain HTTP for a trainer in another process (their tensor/NCCL paths need a
+GPU and the server's own Python packages in the trainer). Every bucket is checked against the served checkpoint's
+names and shapes before anything is written, and the update must cover every weight: the server never sees a
+partial or misnamed update. The folder lives in /dev/shm when it can (memory, not disk), so it costs the model's
+size in RAM during the update.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.inference.base import EngineError, Generation, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 30
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class HTTPStatusError(EngineError):
+    """The server answered with an error status; ``message`` is the server's own explanation."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _error_message(body: bytes) -> str:
+    """The human part of an error reply (vLLM and SGLang nest it differently), else the raw body, shortened."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:500]
+    for candidate in (data.get("error") if isinstance(data, dict) else None, data):
+        if isinstance(candidate, dict):
+            for key in ("message", "detail"):
+                if candidate.get(key):
+                    return str(candidate[key])[:500]
+        elif isinstance(candidate, str) and candidate:
+            return candidate[:500]
+    return text[:500]
+
+
+def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the server's process group, SIGKILL it after ``grace_s``; the group is the one we created for it."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Server:
+    """A running inference server: one this process started (``process``, ``log_path``) or one it attached to."""
+
+    def __init__(self, name: str, url: str, process: Optional[subprocess.Popen] = None,
+                 log_path: Optional[Path] = None) -> None:
+        self.name, self.url = name, url.rstrip("/")
+        self.process, self.log_path = process, log_path
+        # a server left running by an engine nobody closed still goes when the interpreter exits
+        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
+
+    @classmethod
+    def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
+              env: Optional[Mapping[str, str]] = None, log_path: Optional[Path] = None) -> "Server":
+        """Start ``command`` (which must serve on 127.0.0.1:``port``) and wait until ``health_path`` answers 200."""
+        if log_path is None:
+            handle, raw = tempfile.mkstemp(prefix=f"spade-{name.lower()}-", suffix=".log")
+            os.close(handle)
+            log_path = Path(raw)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log_file:
+            try:
+                process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
+                                           start_new_session=True)
+            except OSError as exc:
+                raise EngineError(f"cannot start the {name} server ({command[0]}: {exc.strerror}); install it or "
+                                  "point inference.server_python at the Python that has it") from None
+        server = cls(name, f"http://127.0.0.1:{port}", process, log_path)
+        log.info("started %s server (pid %d) on port %d, log %s", name, process.pid, port, log_path)
+        try:
+            server.wait_healthy(health_path, timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    @classmethod
+    def attach(cls, name: str, url: str, *, health_path: str, timeout_s: float) -> "Server":
+        """A server someone else runs at ``url``; waits for its health like a started one."""
+        server = cls(name, url)
+        server.wait_healthy(health_path, timeout_s)
+        return server
+
+    def wait_healthy(self, health_path: str, timeout_s: float) -> None:
+        start = time.monotonic()
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineError(f"the {self.name} server exited with status {self.process.returncode} while "
+                                  f"starting{self.log_tail()}")
+            try:
+                self.request("GET", health_path, timeout_s=5.0)
+                log.info("%s server at %s healthy after %.1f s", self.name, self.url, time.monotonic() - start)
+                return
+            except EngineError:
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise EngineError(f"the {self.name} server at {self.url} was not healthy within {timeout_s:.0f} s "
+                                  f"(GET {health_path}); raise inference.startup_timeout_s if it is still loading"
+                                  f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def request(self, method: str, path: str, body: Optional[Mapping[str, Any]] = None, *,
+                timeout_s: float) -> Any:
+        """The JSON reply of ``method path`` (None for an empty body). Error statuses raise :class:`HTTPStatusError`;
+        a server that does not answer raises :class:`EngineError` saying whether its process is still alive."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+                raw = reply.read()
+        except urllib.error.HTTPError as exc:
+            raise HTTPStatusError(exc.code, _error_message(exc.read())) from None
+        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+            reason = getattr(exc, "reason", exc)
+            state = ""
+            if self.process is not None and self.process.poll() is not None:
+                state = f"; the server exited with status {self.process.returncode}{self.log_tail()}"
+            raise EngineError(f"{self.name} server at {self.url} did not answer {method} {path} ({reason}){state}") \
+                from None
+        return json.loads(raw) if raw.strip() else None
+
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of the server's log, formatted to end an error message ("" for an attached server)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as handle:
+            handle.seek(max(0, self.log_path.stat().st_size - 64 * 1024))
+            tail = handle.read().decode("utf-8", errors="replace").splitlines()[-lines:]
+        return f"\n--- last lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop a server this process started (its whole process group); an attached one is left running."""
+        if self.process is not None:
+            _terminate_group(self.process, grace_s)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+
+def checkpoint_weights(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor in the Hugging Face checkpoint a server was started on (headers
+    only, nothing is loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{model_dir} holds no *.safetensors weights: a server engine serves a Hugging Face "
+                          "folder saved with safetensors")
+    weights: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                sliced = handle.get_slice(name)
+                weights[name] = (tuple(sliced.get_shape()), _SAFETENSORS_DTYPES[sliced.get_dtype()])
+    return weights
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+# what a weight-reload folder must not carry over from the served one: weight files and their index (an index
+# naming the original shards would make the loader skip ours)
+_WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def write_model_folder(folder: Path, model: Any, tokenizer: Any, *, seed: int = 0) -> Path:
+    """A Hugging Face folder (config.json from :func:`hf_config_dict`, randomly initialised safetensors weights,
+    the run's tokenizer) that a server can start on before the trainer's first weight update."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from spade_mega.megatron.providers import hf_config_dict
+
+    hf = hf_config_dict(model)
+    hf.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    dtype = torch.bfloat16 if hf["torch_dtype"] == "bfloat16" else torch.float32
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), dtype=dtype)
+    hf_model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def _default_sync_root() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class ServerEngine(ABC):
+    """The engine protocol over a :class:`Server`. Subclasses give the request format (:meth:`_payload`,
+    :meth:`_parse`) and the reload call (:meth:`_reload`)."""
+
+    name = "server"
+    generate_path = "/generate"
+
+    def __init__(self, servers: Sequence[Server], model_dir: Path, *, eos_token_id: int, concurrency: int = 64,
+                 request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None) -> None:
+        if not servers:
+            raise EngineError(f"{self.name} engine: no server to talk to")
+        self.servers, self.model_dir = list(servers), Path(model_dir)
+        self.eos_token_id = eos_token_id
+        self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
+        self._weights = checkpoint_weights(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.vocab_size = int(config["vocab_size"])
+        self.tie_embeddings = bool(config.get("tie_word_embeddings", False))
+        self._own_sync_root = weight_sync_dir is None
+        root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        self._sync_root = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root)) if self._own_sync_root else root
+        self._served_dir: Optional[Path] = None  # the staged folder the servers now serve from
+        self._version = 0
+        self._broken: Optional[str] = None  # why the served weights are unknown (a reload failed part way)
+        self._lock = threading.Lock()
+
+    # ---- starting ---------------------------------------------------------------------------------------------
+
+    health_path = "/health"
+
+    @classmethod
+    @abstractmethod
+    def server_command(cls, python: str, model_dir: str, *, host: str, port: int, tensor_parallel: int, dtype: str,
+                       max_model_len: int, extra_args: Sequence[str] = ()) -> list[str]:
+        """The argv of a server this engine can talk to (the settings its log-probs and weight reloads rely on
+        included): used to start one here, and by launchers that start them elsewhere."""
+
+    @classmethod
+    @abstractmethod
+    def server_env(cls) -> dict[str, str]:
+        """Environment variables such a server needs (over the inherited environment)."""
+
+    @classmethod
+    def launch(cls, model_dir: Path, *, eos_token_id: int, python: Optional[str] = None, tensor_parallel: int = 1,
+               dtype: str = "auto", max_model_len: int = 4096, server_args: Sequence[str] = (),
+               env: Optional[Mapping[str, str]] = None, startup_timeout_s: float = 600.0,
+               log_path: Optional[Path] = None, **engine_kwargs: Any) -> "ServerEngine":
+        """Start a server on ``model_dir`` (a Hugging Face folder with safetensors weights) on a free local port and
+        return the engine over it. ``dtype`` auto: the checkpoint's own (config.json), not the server's choice."""
+        model_dir = Path(model_dir)
+        if dtype == "auto":
+            config = json.loads((model_dir / "config.json").read_text())
+            dtype = str(config.get("torch_dtype") or config.get("dtype") or "auto")
+        port = free_port()
+        command = cls.server_command(python or sys.executable, str(model_dir), host="127.0.0.1", port=port,
+                                     tensor_parallel=tensor_parallel, dtype=dtype, max_model_len=max_model_len,
+                                     extra_args=server_args)
+        server = Server.start(cls.name, command, port=port, health_path=cls.health_path, timeout_s=startup_timeout_s,
+                              env={**os.environ, **cls.server_env(), **(env or {})}, log_path=log_path)
+        try:
+            return cls([server], model_dir, eos_token_id=eos_token_id, **engine_kwargs)
+        except BaseException:
+            server.stop()
+            raise
+
+    @classmethod
+    def attach(cls, urls: Sequence[str], model_dir: Path, *, eos_token_id: int, startup_timeout_s: float = 600.0,
+               **engine_kwargs: Any) -> "ServerEngine":
+        """The engine over servers someone else started (a SLURM job's) on ``model_dir``, at ``urls``."""
+        servers = [Server.attach(cls.name, url, health_path=cls.health_path, timeout_s=startup_timeout_s)
+                   for url in urls]
+        return cls(servers, Path(model_dir), eos_token_id=eos_token_id, **engine_kwargs)
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any) -> "ServerEngine":
+        """The run's engine: attached to ``inference.server_urls`` (or $SPADE_ENGINE_URLS, set by the SLURM
+        launcher), else a server started here on ``inference.hf_weights`` (else on a randomly initialised folder
+        of ``model`` written into the run directory: the bridge pushes the trainer's weights before any rollout)."""
+        inf = cfg.inference
+        common = dict(eos_token_id=tokenizer.eos_token_id, concurrency=inf.concurrency,
+                      request_timeout_s=inf.request_timeout_s, startup_timeout_s=inf.startup_timeout_s,
+                      weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None)
+        urls = list(inf.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
+        if urls:
+            if not inf.hf_weights:
+                raise ConfigError("inference.hf_weights", f"must name the Hugging Face folder the {cls.name} servers "
+                                                          f"at {', '.join(urls)} were started on (its weight names "
+                                                          "and shapes check every weight update)")
+            remote = [u for u in urls if urllib.parse.urlparse(u).hostname not in ("127.0.0.1", "localhost")]
+            if remote and not inf.weight_sync_dir:
+                raise ConfigError("inference.weight_sync_dir", f"must be a folder that the servers at "
+                                                               f"{', '.join(remote)} also see (a shared file "
+                                                               "system): weight updates reach them through it")
+            return cls.attach(urls, Path(inf.hf_weights), **common)
+        model_dir = Path(inf.hf_weights) if inf.hf_weights else write_model_folder(
+            Path(cfg.run.output_dir) / cfg.run.name / "engine-model", cfg.model, tokenizer, seed=cfg.run.seed)
+        return cls.launch(model_dir, python=inf.server_python, tensor_parallel=inf.tensor_parallel, dtype=inf.dtype,
+                          max_model_len=cfg.rollout.max_context_tokens, server_args=inf.server_args,
+                          log_path=Path(cfg.run.output_dir) / cfg.run.name / f"{cls.name.lower()}-server.log",
+                          **common)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        if self._broken is not None:
+            raise EngineError(f"{self.name} engine: {self._broken}; a complete update_weights must succeed before "
+                              "it generates again")
+        for index, request in enumerate(requests):
+            self._check_request(index, request)
+        if not requests:
+            return []
+        return self._in_parallel(self._generate_one, list(enumerate(requests)),
+                                 self.concurrency * len(self.servers))
+
+    @staticmethod
+    def _in_parallel(fn: Any, items: Sequence[tuple], workers: int) -> list:
+        """``fn(*item)`` for every item on up to ``workers`` threads, results in order; the first error cancels
+        what has not started and is raised once the running calls are done."""
+        pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))), thread_name_prefix="spade-engine")
+        try:
+            return list(pool.map(lambda item: fn(*item), items))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _check_request(self, index: int, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise EngineError(f"{self.name} request {index}: the prompt is empty")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"{self.name} request {index}: prompt token ids {bad[:5]} are outside the "
+                              f"vocabulary [0, {self.vocab_size})")
+
+    def _generate_one(self, index: int, request: GenerationRequest) -> Generation:
+        what = f"{self.name} request {index} ({len(request.prompt_ids)} prompt tokens, " \
+               f"max_new_tokens {request.sampling.max_new_tokens})"
+        try:
+            server = self.servers[index % len(self.servers)]  # the rollout passes whole batches: round robin
+            reply = server.request("POST", self.generate_path, self._payload(server, request),
+                                   timeout_s=self.request_timeout_s)
+        except EngineError as exc:
+            raise EngineError(f"{what}: {exc}") from None
+        try:
+            output_ids, logprobs, finish_reason = self._parse(reply)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineError(f"{what}: unexpected reply ({type(exc).__name__}: {exc}): {str(reply)[:300]}") from None
+        if len(output_ids) != len(logprobs) or not output_ids:
+            raise EngineError(f"{what}: the reply has {len(output_ids)} tokens and {len(logprobs)} log-probs")
+        if finish_reason not in ("stop", "length"):
+            raise EngineError(f"{what}: the server ended it with finish reason {finish_reason!r}")
+        return Generation(prompt_ids=tuple(request.prompt_ids), output_ids=tuple(int(t) for t in output_ids),
+                          logprobs=tuple(float(x) for x in logprobs), finish_reason=finish_reason,
+                          weight_version=self._version)
+
+    def _stop_ids(self, request: GenerationRequest) -> list[int]:
+        return [self.eos_token_id, *(t for t in request.sampling.stop_token_ids if t != self.eos_token_id)]
+
+    @abstractmethod
+    def _payload(self, server: Server, request: GenerationRequest) -> dict[str, Any]:
+        """The JSON body of ``request`` for :attr:`generate_path`."""
+
+    @abstractmethod
+    def _parse(self, reply: Any) -> tuple[list[int], list[float], str]:
+        """Output ids, their log-probs and the finish reason ("stop"/"length") of one reply."""
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+
+    def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        with self._lock:
+            folder = self._stage(buckets, version)
+            try:
+                self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
+                                  len(self.servers))
+            except EngineError as exc:
+                self._broken = f"reloading weights version {version} failed ({exc})"
+                raise EngineError(f"{self.name} engine: {self._broken}") from None
+            previous, self._served_dir = self._served_dir, folder
+            if previous is not None:
+                shutil.rmtree(previous, ignore_errors=True)
+            self._version, self._broken = version, None
+
+    def _stage(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> Path:
+        """Check every bucket and write it as one safetensors file of a new folder beside the served config files;
+        any problem removes the folder and raises before the server is asked to load anything."""
+        from safetensors.torch import save_file
+
+        folder = self._sync_root / f"v{version}-{time.monotonic_ns()}"
+        folder.mkdir(parents=True)
+        try:
+            seen: set[str] = set()
+            for number, bucket in enumerate(buckets):
+                tensors = {}
+                for name, tensor in bucket.items():
+                    if self.tie_embeddings and name == "lm_head.weight" and name not in self._weights:
+                        continue  # tied: the served model reads its output layer from the embedding
+                    if name not in self._weights:
+                        raise EngineError(f"{self.name} engine: weight update {version} names {name!r}, which the "
+                                          f"served model ({self.model_dir}) does not have")
+                    shape, dtype = self._weights[name]
+                    if tuple(tensor.shape) != shape:
+                        raise EngineError(f"{self.name} engine: weight update {version}: {name} has shape "
+                                          f"{tuple(tensor.shape)}, the served model's is {shape}")
+                    if name in seen:
+                        raise EngineError(f"{self.name} engine: weight update {version} sends {name} twice")
+                    seen.add(name)
+                    tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+                if tensors:
+                    save_file(tensors, str(folder / f"bucket-{number:05d}.safetensors"), metadata={"format": "pt"})
+            missing = sorted(set(self._weights) - seen)
+            if missing:
+                raise EngineError(f"{self.name} engine: weight update {version} leaves out {len(missing)} of the "
+                                  f"model's {len(self._weights)} weights (first: {', '.join(missing[:3])}); an "
+                                  "update must cover every weight")
+            for path in self.model_dir.iterdir():  # config, tokenizer, generation config: a complete HF folder
+                if path.is_file() and not path.name.endswith(_WEIGHT_FILE_SUFFIXES):
+                    shutil.copy2(path, folder / path.name)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder
+
+    @abstractmethod
+    def _reload(self, server: Server, folder: Path, version: int) -> None:
+        """Make ``server`` serve the weights staged in ``folder``; raise :class:`EngineError` if it refuses."""
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+        if self._own_sync_root:
+            shutil.rmtree(self._sync_root, ignore_errors=True)
+
+    def __enter__(self) -> "ServerEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

