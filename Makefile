@@ -7,12 +7,19 @@ CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test venv sysdeps clean-venv device-wheels
+.PHONY: test demo venv sysdeps clean-venv device-wheels
 
 test: $(STAMP) sysdeps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 venv: $(STAMP)
+
+# The CPU demo: tiny SPADE self-play (examples/configs/tiny_cpu.yaml) into runs/tiny_cpu, ending with its report
+# (runs/tiny_cpu/report.html). Run again, it resumes the finished run (nothing left to do) and rewrites the report;
+# DEMO_ARGS adds overrides: make demo DEMO_ARGS='run.name=again selfplay.num_rollouts=4'
+DEMO_ARGS ?=
+demo: $(STAMP) sysdeps
+	$(VENV)/bin/spade-mega train examples/configs/tiny_cpu.yaml $(DEMO_ARGS)
 
 # megatron-core is installed on its own: 0.19.2 declares Python >= 3.12, yet its cp311 wheel works on 3.11
 # (see README, platform notes). The stamp is written last, so an interrupted install is redone next time.

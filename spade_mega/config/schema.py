@@ -488,6 +488,17 @@ class KernelsConfig:
         """A single switch: nothing to check against."""
 
 
+@dataclass
+class BridgeConfig:
+    """Weight transfer from the trainer to the rollout engines (spade_mega/bridge): full Hugging Face tensors streamed
+    in buckets, so neither side ever holds a second copy of the whole model."""
+
+    bucket_mb: int = 512  # largest bucket (MiB) of one weight update; a single larger tensor goes alone
+
+    def check(self) -> None:
+        _positive("bridge", self, "bucket_mb")
+
+
 def slurm_time_seconds(text: str) -> Optional[int]:
     """Seconds of a SLURM time limit (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``); None if malformed."""
     days, sep, rest = text.partition("-")
@@ -599,6 +610,7 @@ class SpadeConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def check(self) -> None:

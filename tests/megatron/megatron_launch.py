@@ -14,19 +14,20 @@ import pytest
 WORKER = Path(__file__).with_name("megatron_worker.py")
 
 
-def worker_command(nproc: int, scenario: str, out: Path, *args: str) -> list[str]:
+def worker_command(nproc: int, scenario: str, out: Path, *args: str, worker: Path = WORKER) -> list[str]:
     launcher = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, str(WORKER), scenario, "--out", str(out), *args]
+    return [*launcher, str(worker), scenario, "--out", str(out), *args]
 
 
 def worker_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def run_worker(nproc: int, scenario: str, out: Path, *args: str, timeout: float = 300) -> None:
-    """Run one scenario to completion; on failure the test fails with the end of its output."""
-    proc = subprocess.run(worker_command(nproc, scenario, out, *args), env=worker_env(), capture_output=True,
+def run_worker(nproc: int, scenario: str, out: Path, *args: str, timeout: float = 300, worker: Path = WORKER) -> None:
+    """Run one scenario of ``worker`` (megatron_worker.py by default) to completion; on failure the test fails with
+    the end of its output."""
+    proc = subprocess.run(worker_command(nproc, scenario, out, *args, worker=worker), env=worker_env(), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).splitlines()

@@ -1,0 +1,85 @@
+"""``spade-mega convert to-hf|from-hf``: Megatron checkpoints of a run <-> Hugging Face safetensors checkpoints.
+
+Both build the run's trainer (``--config`` and overrides give the model and the parallel layout), so they run as one
+process or, for a model that needs it, under ``torchrun`` with the layout's world size; every rank takes part.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from spade_mega.config.loader import load_config
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", metavar="FILE", help="the run's YAML config (model and parallel layout)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides: parallel.tensor=2")
+
+
+def _trainer(args: argparse.Namespace, overrides: list[str]):
+    from spade_mega.megatron import Trainer
+
+    return Trainer(load_config(args.config, [*args.overrides, *overrides]))
+
+
+def _to_hf(args: argparse.Namespace) -> int:
+    from spade_mega.bridge import save_hf, weight_table
+    from spade_mega.monitor.progress import RunProgress
+
+    trainer = _trainer(args, [])
+    step = trainer.load(args.checkpoint)
+    total = sum(len(rule.hf) for rule in weight_table(trainer.model_cfg, trainer.backend.te) if rule.export)
+    with RunProgress(total, "tensors", fields=[]) as bar:
+        folder = save_hf(trainer, args.out, bucket_mb=args.bucket_mb, progress=bar.advance)
+    if _rank() == 0:
+        print(f"wrote {folder}: Hugging Face checkpoint of step {step} ({trainer.model_cfg.name}, {total} tensors)")
+    return 0
+
+
+def _from_hf(args: argparse.Namespace) -> int:
+    from spade_mega.bridge import HFCheckpoint, load_hf
+    from spade_mega.monitor.progress import RunProgress
+
+    HFCheckpoint(args.hf)  # a folder without a checkpoint fails here, before a model is built
+    trainer = _trainer(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
+    total = sum(1 for chunk in trainer.model for _ in chunk.parameters())
+    with RunProgress(total, "parameters", fields=[]) as bar:
+        load_hf(trainer, args.hf, progress=bar.advance)
+    path = trainer.save(args.out)
+    if _rank() == 0:
+        print(f"wrote {path}: Megatron checkpoint (step 0, fresh optimizer) of {args.hf}, loadable in any parallel "
+              f"layout")
+    return 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    convert = subparsers.add_parser(
+        "convert", help="convert checkpoints between Megatron (a run's) and Hugging Face (safetensors)",
+        description="Convert checkpoints between a run's Megatron checkpoints and Hugging Face safetensors folders. "
+                    "Runs as one process or under torchrun with the config's parallel layout.")
+    actions = convert.add_subparsers(title="actions", metavar="ACTION", required=True)
+    to_hf = actions.add_parser("to-hf", help="a Megatron checkpoint -> a Hugging Face folder",
+                               description="Load a run's Megatron checkpoint (a step folder, or a root: its newest "
+                                           "step) and write it as a Hugging Face checkpoint (config.json, "
+                                           "safetensors shards, index).")
+    _config_args(to_hf)
+    to_hf.add_argument("--checkpoint", required=True, help="Megatron checkpoint: a step_<N> folder or its root")
+    to_hf.add_argument("--out", required=True, help="new folder for the Hugging Face checkpoint")
+    to_hf.add_argument("--bucket-mb", type=float, default=None,
+                       help="largest safetensors shard in MiB (default: bridge.bucket_mb)")
+    to_hf.set_defaults(func=_to_hf)
+    from_hf = actions.add_parser("from-hf", help="a Hugging Face folder -> a Megatron checkpoint",
+                                 description="Build the model from the Hugging Face folder's config.json (the config's "
+                                             "parallel layout), load its weights and save a Megatron checkpoint "
+                                             "(step 0, fresh optimizer) under --out.")
+    _config_args(from_hf)
+    from_hf.add_argument("--hf", required=True, help="Hugging Face checkpoint folder (config.json + *.safetensors)")
+    from_hf.add_argument("--out", required=True, help="checkpoint root; the checkpoint is written as <out>/step_0..")
+    from_hf.set_defaults(func=_from_hf)

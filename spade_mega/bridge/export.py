@@ -1,0 +1,153 @@
+"""Megatron -> Hugging Face: full tensors gathered from tensor-, expert- and pipeline-parallel shards, streamed in
+buckets on global rank 0.
+
+A collective: every trainer rank calls :func:`export_hf` and iterates it to the end. Each rank first lists the
+shards it holds (one small ``all_gather_object``); then, weight by weight in checkpoint order, the rank chosen to
+provide each shard (the lowest rank holding it: one data-parallel replica provides everything) sends it to rank 0,
+which joins the shards into Hugging Face tensors (:mod:`spade_mega.bridge.mapping`) and yields them in buckets of at
+most ``bucket_mb`` MiB (a single larger tensor is a bucket alone). Other ranks yield nothing. Rank 0 holds at most
+one bucket plus the weight being joined, so a model larger than one host's memory still streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from spade_mega.bridge.mapping import BridgeError, Rule, global_name, weight_table
+
+if TYPE_CHECKING:
+    from spade_mega.megatron.train import Trainer
+
+Bucket = dict[str, torch.Tensor]
+SOURCE = 0  # the rank the buckets come out on
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's piece of one Megatron weight: shard ``index`` of ``count``."""
+
+    tensor: torch.Tensor
+    index: int
+    count: int
+
+
+def _chunks(trainer: "Trainer") -> list[Any]:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(trainer.model))
+
+
+def rules_of(trainer: "Trainer") -> dict[str, Rule]:
+    return {rule.megatron: rule for rule in weight_table(trainer.model_cfg, trainer.backend.te)}
+
+
+def local_shards(trainer: "Trainer", rules: dict[str, Rule]) -> dict[str, Shard]:
+    """This rank's parameters by global Megatron name, with their shard position. A parameter the table does not
+    know is an error (an architecture feature the bridge would silently drop)."""
+    from megatron.core import parallel_state as ps
+
+    dense = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    expert = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    shards: dict[str, Shard] = {}
+    for chunk in _chunks(trainer):
+        for local, param in chunk.named_parameters():
+            name = global_name(chunk, local)
+            rule = rules.get(name)
+            if rule is None:
+                raise BridgeError(f"Megatron parameter {name} (local {local}) has no Hugging Face counterpart in the "
+                                  f"Qwen3 bridge table; the model has a feature the bridge does not convert")
+            index, count = (0, 1) if rule.transform.dim is None else expert if rule.expert else dense
+            shards[name] = Shard(param, index, count)
+    return shards
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """Where each shard of one weight comes from, and its shape and dtype."""
+
+    providers: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _plan(rules: dict[str, Rule], shards: dict[str, Shard]) -> dict[str, _Planned]:
+    mine = [(name, s.index, s.count, tuple(s.tensor.shape), str(s.tensor.dtype)) for name, s in shards.items()]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    providers: dict[str, dict[int, int]] = {}
+    meta: dict[str, tuple[int, tuple[int, ...], str]] = {}
+    for rank, entries in enumerate(everyone):
+        for name, index, count, shape, dtype in entries:
+            providers.setdefault(name, {}).setdefault(index, rank)  # ranks ascend: the lowest holder provides
+            meta.setdefault(name, (count, shape, dtype))
+    plan = {}
+    for name, rule in rules.items():
+        if not rule.export:
+            continue
+        if name not in meta:
+            raise BridgeError(f"no rank holds Megatron parameter {name}: the model was built without it")
+        count, shape, dtype = meta[name]
+        missing = [i for i in range(count) if i not in providers[name]]
+        if missing:
+            raise BridgeError(f"no rank holds shard(s) {missing} of {count} of Megatron parameter {name}")
+        plan[name] = _Planned(tuple(providers[name][i] for i in range(count)), shape, getattr(torch, dtype[6:]))
+    return plan
+
+
+def _joined(rule: Rule, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    tensors = rule.transform.to_hf(shards)
+    for hf, want, tensor in zip(rule.hf, rule.shapes, tensors):
+        if tuple(tensor.shape) != want:
+            raise BridgeError(f"{rule.megatron} -> {hf}: gathered shape {tuple(tensor.shape)}, the architecture "
+                              f"gives {want}")
+    return [(hf, t.contiguous()) for hf, t in zip(rule.hf, tensors)]
+
+
+def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator[Bucket]:
+    """Yield the model's weights as Hugging Face tensors in buckets of at most ``bucket_mb`` MiB (default
+    ``bridge.bucket_mb``) on global rank 0; other ranks yield nothing. Collective: every rank must iterate to the end.
+
+    Tensors are copies (a bucket does not change when training goes on), on the trainer's device, in the
+    parameters' dtype. Parameters are detached rather than read under ``torch.no_grad()``: a grad-mode context held
+    across a ``yield`` would be restored by whoever resumes the generator last, leaving the caller's mode switched."""
+    limit = int((trainer.cfg.bridge.bucket_mb if bucket_mb is None else bucket_mb) * 2**20)
+    if limit <= 0:
+        raise BridgeError(f"bucket_mb must be > 0, got {bucket_mb}")
+    rules = rules_of(trainer)
+    shards = local_shards(trainer, rules)
+    plan = _plan(rules, shards)
+    rank = dist.get_rank()
+    device = trainer.backend.device
+    bucket: Bucket = {}
+    size = 0
+    for name, planned in plan.items():
+        pieces: list[torch.Tensor] = []
+        live: set[int] = set()  # storages of this rank's own parameters among the pieces
+        for provider in planned.providers:
+            if rank == SOURCE:
+                if provider == SOURCE:
+                    pieces.append(shards[name].tensor.detach())
+                    live.add(pieces[-1].untyped_storage().data_ptr())
+                else:
+                    piece = torch.empty(planned.shape, dtype=planned.dtype, device=device)
+                    dist.recv(piece, provider)
+                    pieces.append(piece)
+            elif rank == provider:
+                dist.send(shards[name].tensor.detach().contiguous(), SOURCE)
+        if rank != SOURCE:
+            continue
+        for hf, tensor in _joined(rules[name], pieces):
+            if tensor.untyped_storage().data_ptr() in live:  # a view of a parameter (replicated weights)
+                tensor = tensor.clone()
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[hf] = tensor
+            size += nbytes
+    if bucket:
+        yield bucket

@@ -1,0 +1,126 @@
+"""The weight bridge on real Megatron models (gloo, CPU) and real transformers models: an exported checkpoint gives
+transformers the trainer's logits; Hugging Face -> Megatron -> Hugging Face is exact; exports under TP2+SP, EP2,
+expert-TP2, PP2, PP2 with virtual stages and dense TP2 equal the checkpoint bit for bit; sync_weights fills a real
+HFEngine on rank 0, and an engine that refuses an update fails every rank without leaving one behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from bridge_worker import LAYOUTS, MODELS
+from megatron_launch import run_worker
+
+from spade_mega.bridge.checkpoint import INDEX, iter_checkpoint
+from spade_mega.config.loader import apply_overrides, build, to_dict
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.megatron.providers import hf_config_dict
+
+pytestmark = pytest.mark.multiproc
+
+WORKER = Path(__file__).with_name("bridge_worker.py")
+ATOL = 1e-5  # float32 logits of the same weights through two implementations
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bridge_reference")
+    run_worker(1, "reference", out, worker=WORKER)
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(reference: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bridge_layouts")
+    run_worker(2, "layouts", out, "--ref", str(reference), "--layouts", *LAYOUTS, worker=WORKER)
+    return out
+
+
+def checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    return dict(iter_checkpoint(folder))
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, what
+    err = float((got - want).abs().max())
+    assert err < ATOL, f"{what}: logits differ by up to {err:.2e}"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_export_of_a_trained_model_gives_transformers_the_same_logits(reference: Path, model: str) -> None:
+    assert json.loads((reference / "reference.json").read_text())[model]["updated"]
+    trained = torch.load(reference / f"trained_{model}_logits.pt")
+    before = torch.load(reference / f"reference_{model}_logits.pt")
+    assert float((trained - before).abs().max()) > 100 * ATOL, "the training step must change the logits"
+    assert_logits_close(torch.load(reference / f"trained_{model}_hf_logits.pt"), trained, f"{model} export")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_hf_to_megatron_to_hf_is_exact(reference: Path, model: str) -> None:
+    original = checkpoint(reference / f"hf_{model}")
+    exported = torch.load(reference / f"reference_{model}_export.pt")
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    # and the Megatron model computes what transformers computes with those weights (the import is right, not only
+    # its inverse)
+    assert_logits_close(torch.load(reference / f"reference_{model}_logits.pt"),
+                        torch.load(reference / f"hf_{model}_logits.pt"), f"{model} after load_hf")
+
+
+def test_saved_checkpoint_is_a_complete_hugging_face_folder(reference: Path) -> None:
+    for model, overrides in MODELS.items():
+        folder = reference / f"trained_{model}"
+        index = json.loads((folder / INDEX).read_text())
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+        assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+        assert all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+        tensors = checkpoint(folder)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+        cfg = build(SpadeConfig, apply_overrides(to_dict(SpadeConfig()), overrides))
+        assert json.loads((folder / "config.json").read_text()) == hf_config_dict(cfg.model)
+        assert ("lm_head.weight" in tensors) == (not cfg.model.tie_embeddings)
+    assert not list(reference.glob(".*partial*")), "no staging folder is left behind"
+
+
+def test_convert_cli_round_trip(reference: Path) -> None:
+    assert json.loads((reference / "reference.json").read_text())["cli"] == [0, 0]
+    original, converted = checkpoint(reference / "hf_moe"), checkpoint(reference / "cli_hf")
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[name], tensor) for name, tensor in original.items())
+    assert len(list((reference / "cli_hf").glob("*.safetensors"))) == 3  # --bucket-mb 0.2 of 0.53 MiB
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_export_equals_the_checkpoint_bit_for_bit(reference: Path, layouts: Path, layout: str) -> None:
+    model = LAYOUTS[layout][0]
+    result = torch.load(layouts / f"{layout}.pt")
+    original = checkpoint(reference / f"hf_{model}")
+    assert result["export"].keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(result["export"][name], tensor), f"{layout}: {name}"
+    assert_logits_close(result["logits"], torch.load(reference / f"hf_{model}_logits.pt"), f"{layout} after load_hf")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sync_weights_fills_the_engine_on_rank_0(reference: Path, layouts: Path, layout: str) -> None:
+    result = torch.load(layouts / f"{layout}.pt")
+    model = LAYOUTS[layout][0]
+    original = checkpoint(reference / f"hf_{model}")
+    assert result["engine_version"] == 7
+    assert result["sync"]["tensors"] == len(original)
+    assert result["sync"]["bytes"] == sum(t.numel() * t.element_size() for t in original.values())
+    assert result["sync"]["buckets"] > 1
+    assert_logits_close(result["engine_logits"], result["logits"], f"{layout}: engine after sync_weights")
+
+
+def test_a_refused_update_fails_every_rank_and_the_next_sync_works(layouts: Path) -> None:
+    first = list(LAYOUTS)[0]
+    result = torch.load(layouts / f"{first}.pt")
+    assert result["refused"].startswith("EngineError: weight update: the model has no tensor")
+    other = (layouts / f"{first}_refused_rank1.txt").read_text()
+    assert other.startswith("BridgeError: the rollout engine on rank 0 refused weight version 1: EngineError")
+    assert result["grad_enabled_after_refusal"], "the export must not leave autograd switched off"
+    assert result["engine_version"] == 7  # the same ranks synced again afterwards

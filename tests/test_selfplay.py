@@ -1,0 +1,248 @@
+"""The self-play loop: its batch building and saved state (fast), and the loop itself end to end (slow): the real
+`spade-mega train` command with the in-process engine, real sandbox workers and the Megatron trainer on gloo, run
+straight and again interrupted then resumed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sandbox_support import strict_missing
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.config.schema import KernelsConfig, RLConfig
+from spade_mega.curriculum.memory import EnvMemory
+from spade_mega.envs import library
+from spade_mega.selfplay import ActiveEnv, CheckpointStore, LoopState, ResumeError, SelfPlay, derive_seed
+from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+SCRIPT = Path(sys.executable).with_name("spade-mega")
+
+# --- the batch --------------------------------------------------------------------------------------------------
+
+
+def _trajectory(role: str, reward: float, group: str, n: int = 6, valid: bool = True) -> Trajectory:
+    return Trajectory(list(range(1, n + 1)), [0, 0, 0] + [1] * (n - 3), [0.0, 0.0, 0.0] + [-1.5] * (n - 3),
+                      role, reward, group, valid)  # type: ignore[arg-type]
+
+
+def test_agent_advantages_are_per_environment_and_designer_ones_per_skill_times_the_scale() -> None:
+    batch = [_trajectory("agent", r, "env0") for r in (1.0, 0.0)] + \
+        [_trajectory("agent", r, "env1") for r in (0.0, 0.0)] + \
+        [_trajectory("designer", 0.8, "logic"), _trajectory("designer", 0.2, "logic"),
+         _trajectory("designer", -0.5, "maths"), _trajectory("designer", 9.0, "logic", valid=False)]
+    adv = advantages(batch, 8.0, RLConfig(), KernelsConfig())
+    assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
+    assert adv[2:4].tolist() == [0.0, 0.0]  # a group whose rewards are all equal teaches nothing
+    assert adv[4:7].tolist() == pytest.approx([0.3 * 8, -0.3 * 8, 0.0])  # centred per skill (masked row left out)
+    assert adv[7] == 0.0
+    samples = train_samples(batch, adv)
+    assert len(samples) == 7  # the masked designer sample is not trained on
+    first = samples[0]
+    assert first.role == "agent" and first.advantages[:3].tolist() == [0.0] * 3
+    assert torch.equal(first.advantages[3:], torch.full((3,), float(adv[0])))
+    assert first.rollout_logprobs.tolist() == [0.0] * 3 + [-1.5] * 3 and samples[4].role == "designer"
+
+
+def test_optimizer_batches_cover_every_sample_once_in_a_seeded_order() -> None:
+    batch = [_trajectory("agent", float(i % 2), f"env{i // 2}") for i in range(10)]
+    samples = train_samples(batch, advantages(batch, 1.0, RLConfig(), KernelsConfig()))
+    steps = optimizer_batches(samples, 4, seed=7)
+    assert [len(s) for s in steps] == [4, 4, 2]
+    assert sorted(id(s) for step in steps for s in step) == sorted(id(s) for s in samples)
+    again = optimizer_batches(samples, 4, seed=7)
+    assert [[id(s) for s in step] for step in steps] == [[id(s) for s in step] for step in again]
+
+
+def test_derived_seeds_are_stable_and_distinct() -> None:
+    assert derive_seed(1234, "play", 3, 0) == derive_seed(1234, "play", 3, 0)
+    seeds = {derive_seed(1234, "play", r, e) for r in range(20) for e in range(20)}
+    assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(1234, "play", 1, 2) != derive_seed(1235, "play", 1, 2)
+
+
+# --- the saved state --------------------------------------------------------------------------------------------
+
+
+def _state() -> LoopState:
+    program = library.get("grid_maze").program()
+    return LoopState(rollout=3, active_skills=["navigation"], environments=[ActiveEnv(program, "library", 0, 3)],
+                     buffer={"format": "x"}, scheduler={"cursor": 1}, trackers={"skills": {}})
+
+
+def test_loop_state_round_trips_through_its_json_file(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    path = store.write_state(5, _state())
+    (store.root / "step_00000005").mkdir()
+    (store.root / "step_00000005" / "spade_checkpoint.json").write_text("{}")
+    restored = store.read_state(store.root / "step_00000005")
+    assert restored == _state() and restored.environments[0].env_id == _state().environments[0].env_id
+    assert path.name == "step_00000005.json" and not list(store.states.glob("*.tmp"))
+
+
+def test_loop_states_without_their_checkpoint_are_pruned_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    for step in (2, 4):
+        store.write_state(step, _state())
+    (store.root / "step_00000004").mkdir()
+    (store.root / "step_00000004" / "spade_checkpoint.json").write_text("{}")
+    store.prune_states()
+    assert [p.name for p in store.states.iterdir()] == ["step_00000004.json"]
+    (store.root / "step_00000006").mkdir()
+    with pytest.raises(ResumeError, match="no loop state beside it"):
+        store.read_state(store.root / "step_00000006")
+
+
+def test_a_damaged_loop_state_is_refused_by_name(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    data = _state().to_dict()
+    data["environments"][0]["program"]["source"] += "\n# edited"
+    store.states.mkdir(parents=True)
+    store.state_path(1).write_text(json.dumps(data))
+    with pytest.raises(ResumeError, match="content hash does not match"):
+        store.read_state(store.root / "step_00000001")
+    store.state_path(1).write_text(json.dumps({**_state().to_dict(), "rollout": -1}))
+    with pytest.raises(ResumeError, match="rollout must be an int >= 0"):
+        store.read_state(store.root / "step_00000001")
+    store.state_path(1).write_text("{")
+    with pytest.raises(ResumeError, match="cannot read the loop state"):
+        store.read_state(store.root / "step_00000001")
+
+
+# --- config and resume errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, path", [("selfplay.save_interval=0", "selfplay.save_interval"),
+                                            ("selfplay.keep_checkpoints=0", "selfplay.keep_checkpoints"),
+                                            ("selfplay.library_fallback=3", "selfplay.library_fallback")])
+def test_selfplay_config_errors_name_the_key(override: str, path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, [override])
+    assert info.value.path == path
+
+
+def test_resume_must_without_a_checkpoint_and_never_over_checkpoints_are_refused(tmp_path: Path) -> None:
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.resume=must", "launch.requeue=false"])
+    with pytest.raises(ResumeError, match="holds no complete checkpoint"):
+        SelfPlay(cfg).run()
+    ckpt = tmp_path / "tiny_cpu" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "spade_checkpoint.json").write_text("{}")
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.resume=never", "launch.requeue=false"])
+    with pytest.raises(ResumeError, match="would overwrite them"):
+        SelfPlay(cfg).run()
+
+
+# --- end to end -------------------------------------------------------------------------------------------------
+
+# Three rollouts, environments regenerated at rollouts 1 and 3, designer samples of rollout 1 released at rollout 2.
+E2E = ["selfplay.num_rollouts=3", "selfplay.regen_interval=2", "selfplay.designer_delay=1", "selfplay.save_interval=1",
+       "selfplay.keep_checkpoints=null", "selfplay.global_batch_size=4", "rollout.envs_per_rollout=2",
+       "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=2",
+       "rollout.max_response_tokens=16", "rollout.max_designer_tokens=48", "curriculum.corpus.token_budget=64",
+       "rewards.invalid_program_penalty=-0.5", "optimizer.lr=0.01", "logging.tensorboard=false",
+       "logging.progress=false"]
+# what legitimately differs between two runs of the same rollouts: wall-clock times and throughputs
+TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s")
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    proc = subprocess.run([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation, *extra],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)}
+            for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _memory(run_dir: Path) -> list[dict]:
+    with EnvMemory(run_dir / "memory.sqlite", create=False) as memory:
+        rows = [r.to_dict() for r in memory.iter_records()]
+    for row in rows:
+        row.pop("created_at")
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Run A: three rollouts straight. Run B: a copy of A's directory as if the job died after the checkpoint of
+    rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2 and 3 left behind), then
+    resumed."""
+    base = tmp_path_factory.mktemp("selfplay")
+    _train(base / "a")
+    straight = base / "a" / "tiny_cpu"
+    resumed = base / "b" / "tiny_cpu"
+    shutil.copytree(straight, resumed)
+    store = CheckpointStore(resumed)
+    for ckpt in sorted(store.root.glob("step_*")):
+        if store.read_state(ckpt).rollout > 1:
+            shutil.rmtree(ckpt)
+    proc = _train(base / "b")
+    assert "resumed at rollout 1" in proc.stdout
+    return straight, resumed
+
+
+@pytest.mark.slow
+def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs: tuple[Path, Path]) -> None:
+    run_dir = runs[0]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key in ("agent/return", "agent/win_rate", "designer/regret", "train/loss", "time/rollout_s",
+                    "time/train_s", "perf/agent/generated_tokens_per_s", "envs/designer", "envs/library"):
+            assert key in r, key
+        assert r["envs/designer"] + r["envs/library"] == 2  # a random model writes no valid program: library fill
+    assert "designer/valid_rate" in records[0] and "designer/valid_rate" in records[2]
+    assert (run_dir / "report.html").is_file() and (run_dir / "config.yaml").is_file()
+    store = CheckpointStore(run_dir)
+    states = [store.read_state(ckpt) for ckpt in sorted(store.root.glob("step_*"))]
+    assert [s.rollout for s in states] == [1, 2, 3]
+    assert len(states[-1].environments) == 2 and states[-1].buffer["pending"]  # rollout 3's designer samples wait
+
+
+@pytest.mark.slow
+def test_designer_penalties_flow_through_the_delayed_buffer(runs: tuple[Path, Path]) -> None:
+    records = _records(runs[0])
+    assert "designer/released" not in records[1]
+    assert records[2]["designer/released"] == records[2]["designer/penalised"] == 2  # rollout 1's two outputs
+    assert records[2]["designer/reward"] == -0.5 and records[2]["train/samples_designer"] == 2
+    assert records[1]["train/samples_designer"] == records[3]["train/samples_designer"] == 0
+
+
+@pytest.mark.slow
+def test_weights_reach_the_engine(runs: tuple[Path, Path]) -> None:
+    """The engine's behaviour log-probs of each rollout's agent tokens equal the trainer's under the weights it
+    holds: the initial weights (rollout 1), then those after each rollout's optimizer steps (lr 0.01 moves them far
+    more than this tolerance)."""
+    for step, r in _records(runs[0]).items():
+        assert r["train/rollout_logprob_abs_diff_max"] < 1e-4, (step, r["train/rollout_logprob_abs_diff_max"])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) -> None:
+    """Everything but wall-clock figures is bitwise the same: samples, rewards, losses, gradient norms, the loop
+    state, the memory (its `proposals` counts aside); the interrupted run's later records are set aside."""
+    straight, resumed = runs
+    a, b = _records(straight), _records(resumed)
+    assert sorted(b) == [1, 2, 3]
+    for step in (2, 3):
+        assert a[step] == b[step], {k: (a[step].get(k), b[step].get(k)) for k in a[step] | b[step]
+                                    if a[step].get(k) != b[step].get(k)}
+    assert list(resumed.glob("metrics.aside-*.jsonl"))
+    last = [CheckpointStore(run).read_state(sorted(CheckpointStore(run).root.glob("step_*"))[-1])
+            for run in (straight, resumed)]
+    assert last[0] == last[1]
+    assert [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(straight)] == \
+        [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(resumed)]
