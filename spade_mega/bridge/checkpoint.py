@@ -177,8 +177,8 @@ def check_checkpoint(checkpoint: HFCheckpoint, rules: list[Rule], expected_confi
         raise BridgeError(f"{checkpoint.folder}: tensor {missing[0]} is missing ({len(missing)} missing); the "
                           f"checkpoint does not match the model architecture")
     if extra:
-        raise BridgeError(f"{checkpoint.folder}: tensor {extra[0]} is not part of the model ({len(extra)} unexpected); "
-                          f"the checkpoint does not match the model architecture")
+        raise BridgeError(f"{checkpoint.folder}: tensor {extra[0]} is not part of the model ({len(extra)} "
+                          f"unexpected); the checkpoint does not match the model architecture")
     for name, shape in expected.items():
         got = checkpoint.shape(name)
         if got != shape:

@@ -156,8 +156,8 @@ def _layer_rules(model: ModelConfig, te: bool, layer: int) -> list[Rule]:
     rules.append(Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), ((model.num_experts, hidden),), replicated))
     ffn = model.moe_ffn_hidden_size
     for e in range(model.num_experts):
-        fc1, fc2 = ((f"mlp.experts.linear_fc{n}.weight{e}" if te else f"mlp.experts.local_experts.{e}.linear_fc{n}.weight")
-                    for n in (1, 2))
+        fc1, fc2 = (f"mlp.experts.linear_fc{n}.weight{e}" if te else
+                    f"mlp.experts.local_experts.{e}.linear_fc{n}.weight" for n in (1, 2))
         x = f"{h}mlp.experts.{e}."
         rules += [Rule(m + fc1, (x + "gate_proj.weight", x + "up_proj.weight"), ((ffn, hidden), (ffn, hidden)),
                        GatedFc1(), expert=True),
@@ -166,7 +166,8 @@ def _layer_rules(model: ModelConfig, te: bool, layer: int) -> list[Rule]:
 
 
 def weight_table(model: ModelConfig, te: bool) -> list[Rule]:
-    """Every weight of ``model`` in checkpoint order, named for the Transformer Engine spec (``te``) or the local one."""
+    """Every weight of ``model`` in checkpoint order, named for the Transformer Engine spec (``te``) or the local
+    one."""
     vocab = Vocab(0, vocab_size=model.vocab_size)
     embedding = (model.vocab_size, model.hidden_size)
     rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), (embedding,), vocab)]

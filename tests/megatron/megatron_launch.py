@@ -27,8 +27,8 @@ def worker_env() -> dict[str, str]:
 def run_worker(nproc: int, scenario: str, out: Path, *args: str, timeout: float = 300, worker: Path = WORKER) -> None:
     """Run one scenario of ``worker`` (megatron_worker.py by default) to completion; on failure the test fails with
     the end of its output."""
-    proc = subprocess.run(worker_command(nproc, scenario, out, *args, worker=worker), env=worker_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(worker_command(nproc, scenario, out, *args, worker=worker), env=worker_env(),
+                          capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).splitlines()
         errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][:10]
