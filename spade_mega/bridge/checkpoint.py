@@ -182,7 +182,8 @@ def check_checkpoint(checkpoint: HFCheckpoint, rules: list[Rule], expected_confi
     for name, shape in expected.items():
         got = checkpoint.shape(name)
         if got != shape:
-            raise BridgeError(f"{checkpoint.folder}: tensor {name} has shape {list(got)}, the model needs {list(shape)}")
+            raise BridgeError(f"{checkpoint.folder}: tensor {name} has shape {list(got)}, the model needs "
+                              f"{list(shape)}")
 
 
 def load_hf(trainer: "Trainer", folder: str | Path, *, progress: Optional[Callable[[int], None]] = None) -> None:
