@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config
 from spade_mega.curriculum.corpus import GroundingDocument
 from spade_mega.curriculum.parsing import ParseReason
@@ -229,6 +230,8 @@ def test_program_failures_end_only_their_own_episode(engine, pool, tokenizer):
         assert ep.failure is None and ep.turns == 3 and ep.trainable
         check_sequence(ep, rollout)
     assert len(held) == len(plays) and max(held) <= 2  # rollout.max_open_envs
+    with pytest.raises(ConfigError, match="rollout.max_open_envs"):
+        config("rollout.max_open_envs=0")
 
 
 def designer_text(env: EnvProgram) -> str:

@@ -56,10 +56,6 @@ class TokenSequence:
         self.behaviour_logprobs.extend(logprobs)
         self.policy_version = version if self.policy_version is None else min(self.policy_version, version)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": list(self.token_ids), "loss_mask": list(self.loss_mask),
-                "behaviour_logprobs": list(self.behaviour_logprobs), "policy_version": self.policy_version}
-
 
 # --- the designer --------------------------------------------------------------------------------------------------
 
@@ -172,10 +168,6 @@ class AgentEpisode:
         return len(self.turn_spans)
 
     @property
-    def episode_return(self) -> float:
-        return math.fsum(self.step_rewards)
-
-    @property
     def trainable(self) -> bool:
         """Whether the agent update may use it: hint plays never, nor episodes the environment program broke (their
         reward says nothing about the agent); a context overflow is a legitimate truncated episode."""
@@ -207,10 +199,6 @@ class RolloutStats:
     prompt_tokens: int = 0  # prompt tokens sent to the engine, over all calls (a multi-turn context counts each turn)
     generated_tokens: int = 0
     sequences: int = 0
-
-    def add(self, other: "RolloutStats") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat ``{prefix/name: value}``, plus generated tokens per second of generation."""
