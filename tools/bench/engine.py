@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=64, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cfg = load_config(args.config)
     torch.manual_seed(0)
