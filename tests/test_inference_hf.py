@@ -21,6 +21,16 @@ TOK = byte_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decoding the tiny model is a chain of small ops: a second intra-op thread only adds hand-offs (and, on a
+    loaded machine, spin-waits that made this file 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(CONFIG, ["inference.device=cpu"])
@@ -208,6 +218,15 @@ def test_an_engine_this_build_lacks_is_reported_unavailable(cfg):
     lacking = type(cfg)(**{**vars(cfg), "rollout": type(cfg.rollout)(**{**vars(cfg.rollout), "engine": "trtllm"})})
     with pytest.raises(EngineError, match="rollout.engine 'trtllm' is unavailable"):
         build_engine(lacking, TOK)
+
+
+def test_inference_settings_are_checked(cfg, tmp_path):
+    from spade_mega.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="inference.max_batch_size"):
+        load_config(CONFIG, ["inference.max_batch_size=0"])
+    with pytest.raises(EngineError, match=r"inference.hf_weights: no \*.safetensors file in"):
+        make_engine(cfg.model, weights_path=str(tmp_path))
 
 
 def test_a_closed_engine_says_so(cfg):
