@@ -5,6 +5,7 @@ seeds must reproduce, batching must not change results, and a weight update must
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,7 @@ def test_stop_and_eos_tokens_end_the_completion_and_are_included(engine, cfg):
     assert stopped.output_ids == free.output_ids[:k + 1] and stopped.finish_reason == "stop"
     assert stopped.logprobs == pytest.approx(free.logprobs[:k + 1], abs=1e-6)
     eos_engine = make_engine(cfg.model, eos_token_id=stop)
-    eos_engine.update_weights([load_saved(engine)], version=1)
+    eos_engine.update_weights([saved_weights(engine.model)], version=1)
     ended, = eos_engine.generate([request("stop here", max_new_tokens=10, temperature=0.0)])
     assert ended.output_ids == stopped.output_ids and ended.finish_reason == "stop" and ended.weight_version == 1
 
@@ -127,15 +128,8 @@ def test_batched_and_chunked_greedy_equals_one_at_a_time(cfg):
     assert [len(g.output_ids) for g in batched] == [6, 8, 10, 12, 14]
 
 
-def load_saved(engine: HFEngine) -> dict[str, torch.Tensor]:
-    """``engine``'s weights as transformers writes a checkpoint (one tensor per expert projection)."""
-    return save_other(engine.model)
-
-
-def save_other(model) -> dict[str, torch.Tensor]:
-    """``model``'s weights as transformers writes a checkpoint."""
-    import tempfile
-
+def saved_weights(model) -> dict[str, torch.Tensor]:
+    """``model``'s weights as transformers writes a checkpoint (one tensor per expert projection)."""
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
@@ -148,7 +142,7 @@ def test_weights_saved_by_transformers_round_trip(cfg, tmp_path, moe, tied):
     engine = make_engine(model, init_seed=1)
     torch.manual_seed(2)
     other = build_hf_model(model, dtype=torch.float32, device=torch.device("cpu"))
-    weights = save_other(other)
+    weights = saved_weights(other)
     # a tied checkpoint may carry the head too: the engine takes it as the embedding
     assert set(weights) - ({"lm_head.weight"} if tied else set()) == set(engine.expected_weights())
     ids = torch.tensor([TOK.encode("round trip of the weights")])
@@ -167,7 +161,7 @@ def test_weights_saved_by_transformers_round_trip(cfg, tmp_path, moe, tied):
 
 def test_a_failed_update_refuses_generation_until_a_complete_one(cfg):
     engine = make_engine(cfg.model)
-    weights = load_saved(engine)
+    weights = saved_weights(engine.model)
     req = [request("consistency", max_new_tokens=4, temperature=0.0)]
     before = engine.generate(req)
 
@@ -201,8 +195,8 @@ def test_a_failed_update_refuses_generation_until_a_complete_one(cfg):
 
 @pytest.mark.parametrize("prompt,max_new,match", [
     ((), 4, "request 1: empty prompt"),
-    ((1, 512), 4, r"request 1: prompt token ids \[512\] are outside the vocabulary \[0, 512\)"),
-    ((-1, 3), 4, r"request 1: prompt token ids \[-1\]"),
+    ((1, 512), 4, r"request 1: prompt entries \[512\] are not token ids of the vocabulary \[0, 512\)"),
+    ((-1, 3), 4, r"request 1: prompt entries \[-1\] are not token ids"),
     (None, None, r"request 1: prompt \(100 tokens\) \+ max_new_tokens \(\d+\) exceeds the model's "
                  r"max_position_embeddings \(\d+\)"),
 ])

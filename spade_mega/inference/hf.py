@@ -197,8 +197,8 @@ class HFEngine:
             raise EngineError(f"request {i}: empty prompt (a completion needs at least one prompt token)")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise EngineError(f"request {i}: prompt token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {self.vocab_size})")
+            raise EngineError(f"request {i}: prompt entries {bad[:5]} are not token ids of the vocabulary "
+                              f"[0, {self.vocab_size}) (Python ints)")
         bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise EngineError(f"request {i}: stop token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
