@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from spade_mega.config.loader import load_config
-from spade_mega.inference import EngineError, GenerationRequest, SamplingParams, build_engine
+from spade_mega.inference import Engine, EngineError, GenerationRequest, SamplingParams, build_engine
 from spade_mega.inference.hf import HFEngine, build_hf_model
 from spade_mega.tokenizer import byte_tokenizer
 
@@ -62,7 +62,7 @@ def full_forward_logprobs(model, generation, temperature: float) -> tuple[torch.
 
 
 def test_build_engine_takes_eos_and_pad_from_the_tokenizer(engine, cfg):
-    assert isinstance(engine, HFEngine)
+    assert isinstance(engine, HFEngine) and isinstance(engine, Engine)
     assert (engine.eos_token_id, engine.pad_token_id) == (TOK.convert_tokens_to_ids("<|im_end|>"), PAD)
     assert engine.vocab_size == cfg.model.vocab_size and engine.weight_version == 0
 
