@@ -71,7 +71,6 @@ def test_slurm_time_formats(text: str, seconds: int) -> None:
     ("launch.engine_placement=separate", "launch.engine_nodes", "exactly when"),
     ("launch.engine_nodes=2", "launch.engine_nodes", "exactly when"),
     ("launch.engine_gpus=3", "launch.engine_gpus", "must divide launch.gpus_per_node (8)"),
-    ("launch.engine_memory_fraction=1.5", "launch.engine_memory_fraction", "(0, 1)"),
     ("run.resume=never", "launch.requeue", "run.resume 'auto'"),
     ("launch.env={'NCCL-DEBUG': INFO}", "launch.env.NCCL-DEBUG", "environment variable name"),
     ("launch.sbatch_extra=[exclusive]", "launch.sbatch_extra[0]", "one sbatch option"),
@@ -110,19 +109,34 @@ def test_recipe_places_trainer_and_colocated_sglang_on_one_node() -> None:
     assert (e.engine, e.placement, e.first_node, e.nodes, e.servers_per_node, e.gpus_per_server) == \
         ("sglang", "colocated", 0, 1, 1, 8)
     assert plan.total_nodes == 1
-    assert e.command[:3] == ("python", "-m", "sglang.launch_server")
-    assert ["--tp-size", "8", "--ep-size", "8"] == list(e.command[e.command.index("--tp-size"):][:4])
-    assert node.PORT_TOKEN in e.command and "--enable-memory-saver" in e.command
+    # the engine's own command (as a run starting its own server uses), plus colocation and expert parallelism
+    from spade_mega.inference.sglang import SGLangEngine
+
+    own = SGLangEngine.server_command("python", "checkpoints/Qwen3-30B-A3B", host="0.0.0.0", port=30000,
+                                      tensor_parallel=8, dtype="bfloat16", max_model_len=32768)
+    assert e.command == ("env", "HF_HUB_OFFLINE=1", "SGLANG_RETURN_ORIGINAL_LOGPROB=0", *own,
+                         "--enable-memory-saver", "--ep-size", "8")
 
 
 def test_separate_engine_nodes_come_after_the_trainer() -> None:
     plan = plan_launch(recipe("launch.nodes=2", "launch.engine_placement=separate", "launch.engine_nodes=3",
-                              "launch.engine_gpus=4", "rollout.engine=vllm", "launch.engine_model=/ckpt/base"))
+                              "launch.engine_gpus=4", "rollout.engine=vllm", "inference.hf_weights=/ckpt/base",
+                              "inference.weight_sync_dir=/shared/sync", "inference.server_args=[--seed, '1']"))
     e = plan.engines
     assert (plan.train_nodes, plan.total_nodes, e.first_node, e.nodes, e.servers_per_node, e.count) == \
         (2, 5, 2, 3, 2, 6)
     assert "--enable-sleep-mode" not in e.command and "--enable-expert-parallel" in e.command
-    assert e.command[e.command.index("--model") + 1] == "/ckpt/base"
+    assert e.command[e.command.index("--model") + 1] == "/ckpt/base" and e.command[-2:] == ("--seed", "1")
+    assert e.command[e.command.index("--tensor-parallel-size") + 1] == "4"
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["inference.hf_weights=null"], "inference.hf_weights"),  # what would the servers load?
+    (["launch.nodes=2"], "inference.weight_sync_dir"),  # servers on node 1 cannot read node 0's /dev/shm
+    (["launch.engine_placement=separate", "launch.engine_nodes=1"], "inference.weight_sync_dir"),
+])
+def test_engine_servers_need_weights_and_a_shared_sync_folder(overrides: list[str], key: str) -> None:
+    assert config_error(*overrides).path == key
 
 
 def test_minimal_world_size_is_the_smallest_world_both_grids_tile() -> None:
@@ -134,9 +148,11 @@ def test_minimal_world_size_is_the_smallest_world_both_grids_tile() -> None:
 
 VARIANTS = {
     "recipe": [],
-    "srun-launcher": ["launch.launcher=srun", "launch.nodes=2", "launch.master_port=29400"],
+    "srun-launcher": ["launch.launcher=srun", "launch.nodes=2", "launch.master_port=29400",
+                      "inference.weight_sync_dir=/shared/sync"],
     "separate-vllm": ["rollout.engine=vllm", "launch.engine_placement=separate", "launch.engine_nodes=2",
-                      "launch.engine_gpus=2", "launch.engine_args=[--max-model-len, '32768']"],
+                      "launch.engine_gpus=2", "inference.server_args=[--max-num-seqs, '512']",
+                      "inference.weight_sync_dir=/shared/sync"],
     "cluster": ["launch.partition=h100", "launch.account=proj-42", "launch.qos=high", "launch.cpus_per_task=96",
                 "launch.workdir=/scratch/me/spade", "launch.sbatch_extra=[--exclusive, --constraint=h100]",
                 "launch.setup=['module load cuda/12.4', 'source $HOME/venvs/spade/bin/activate']",
@@ -168,7 +184,7 @@ def test_recipe_script_directives_steps_and_environment() -> None:
     assert "export NCCL_DEBUG=WARN\n" in script
     engine, train = (s for s in script.split('"${SRUN[@]}" ')[1:])
     assert engine.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
-    assert "spade_mega.launch.node serve --servers 1 --gpus-per-server 8 --port 30000 --" in engine
+    assert "spade_mega.launch.node serve --servers 1 --gpus-per-server 8 --" in engine and "--port 30000" in engine
     assert train.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
     flat = " ".join(train.replace("\\\n", " ").split())
     assert ("spade_mega.launch.node exec --launcher torchrun --nproc-per-node 8 --nnodes 1 --shutdown-timeout 540 "
@@ -201,7 +217,7 @@ def test_separate_engines_get_their_own_nodes() -> None:
     assert "--nodes=3" in directives(script)
     engine, train = script.split('"${SRUN[@]}" ')[1:]
     assert engine.startswith("--overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --relative=1")
-    assert "--servers 4 --gpus-per-server 2" in engine and "--max-model-len 32768" in engine
+    assert "--servers 4 --gpus-per-server 2" in engine and "--max-num-seqs 512" in engine
     assert train.startswith("--nodes=1 --ntasks=1")  # not --overlap: the trainer's node is its own
     assert "--engines 1:2:4:30000" in train
 
@@ -213,7 +229,7 @@ def test_in_process_engine_starts_no_servers() -> None:
 
 
 def test_embedded_config_is_the_resolved_config(tmp_path: Path) -> None:
-    cfg = recipe("selfplay.num_rollouts=7", "launch.nodes=2")
+    cfg = recipe("selfplay.num_rollouts=7", "launch.nodes=2", "inference.weight_sync_dir=/shared/sync")
     script = render_sbatch(cfg, RECIPE)
     embedded = script.split(f"<<'{CONFIG_DELIMITER}'\n")[1].split(f"\n{CONFIG_DELIMITER}\n")[0]
     (tmp_path / "c.yaml").write_text(embedded)
@@ -234,8 +250,8 @@ def test_cli_writes_the_script_and_submit_without_sbatch_says_so(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     out = tmp_path / "job.sbatch"
-    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "launch.nodes=2", "-o", str(out)]) == 0
-    assert out.read_text() == render_sbatch(recipe("launch.nodes=2"), str(ROOT / RECIPE))
+    assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "launch.time='2-0'", "-o", str(out)]) == 0
+    assert out.read_text() == render_sbatch(recipe("launch.time='2-0'"), str(ROOT / RECIPE))
     assert os.access(out, os.X_OK)
     capsys.readouterr()
     assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "-o", str(out), "--submit"]) == 2
@@ -291,13 +307,14 @@ def test_wiring_from_a_real_slurm_environment() -> None:
     assert node.torch_env(SLURM_ENV, wiring, "srun") == {
         "MASTER_ADDR": "gpu001", "MASTER_PORT": "27321", "RANK": "19", "WORLD_SIZE": "40", "LOCAL_RANK": "3",
         "GROUP_RANK": "2", "LOCAL_WORLD_SIZE": "8"}
-    command = node.node_command(SLURM_ENV, wiring, "torchrun", 8, 4, ["-m", "spade_mega.cli", "train", "c.yaml"],
-                                shutdown_timeout_s=540)
+    command, env = node.node_command(wiring, "torchrun", 8, 4, ["-m", "spade_mega.cli", "train", "c.yaml"],
+                                     shutdown_timeout_s=540)
     assert command[1:] == ["-m", "torch.distributed.run", "--nnodes=4", "--nproc-per-node=8", "--node-rank=2",
-                           "--master-addr=gpu001", "--master-port=27321",
-                           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=540",
-                           "-m", "spade_mega.cli", "train", "c.yaml"]
+                           "--master-addr=gpu001", "--master-port=27321", "-m", "spade_mega.cli", "train", "c.yaml"]
+    assert env == {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "540"}
+    assert node.node_command(wiring, "srun", 8, 4, ["x.py", "c.yaml"]) == ([sys.executable, "x.py", "c.yaml"], {})
     assert wiring.engine_urls(4, 1, 2, 30000) == ["http://gpu010:30000", "http://gpu010:30001"]
+    assert wiring.engine_urls(1, 2, 1, 30000) == ["http://gpu002:30000", "http://127.0.0.1:30000"]  # node 2: here
 
 
 def test_wiring_errors_name_the_variable() -> None:
@@ -309,7 +326,7 @@ def test_wiring_errors_name_the_variable() -> None:
         node.node_wiring({k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_ID"})
     wiring = node.node_wiring(SLURM_ENV, master_port=29500)
     with pytest.raises(node.SlurmEnvError, match="not one of the trainer's 2 nodes"):
-        node.node_command(SLURM_ENV, wiring, "torchrun", 8, 2, ["x.py"])
+        node.node_command(wiring, "torchrun", 8, 2, ["x.py"])
     with pytest.raises(node.SlurmEnvError, match="engine nodes 4..5 lie outside"):
         wiring.engine_urls(4, 2, 1, 30000)
 
@@ -349,7 +366,7 @@ def test_torchrun_node_passes_the_time_limit_signal_to_every_rank(tmp_path: Path
     """One node's torchrun, started by the wrapper as the job script does, waits for the engine servers, starts both
     ranks with their URLs, and hands SIGUSR1 (the script's time-limit warning) on to them."""
     engine_port = free_port()
-    server = subprocess.Popen([sys.executable, str(DATA / "health_server.py"), str(engine_port)])
+    server = subprocess.Popen([sys.executable, str(DATA / "health_server.py"), "--port", str(engine_port)])
     try:
         torchrun = subprocess.Popen(
             [sys.executable, "-m", "spade_mega.launch.node", "exec", "--launcher", "torchrun", "--nproc-per-node",
@@ -367,7 +384,7 @@ def test_torchrun_node_passes_the_time_limit_signal_to_every_rank(tmp_path: Path
         server.wait()
     ranks = read_ranks(tmp_path, 2)
     assert [(r["rank"], r["world"], r["sum"], r["usr1"]) for r in ranks] == [(0, 2, 3.0, True), (1, 2, 3.0, True)]
-    assert {r["engine_urls"] for r in ranks} == {f"http://localhost:{engine_port}"}
+    assert {r["engine_urls"] for r in ranks} == {f"http://127.0.0.1:{engine_port}"}
 
 
 @pytest.mark.multiproc
@@ -391,13 +408,111 @@ def test_launch_local_refuses_a_process_count_the_layout_does_not_fit() -> None:
         local_command(cfg, TINY, [], nproc=3)
 
 
+# srun and scontrol cannot run here: these stand-ins do what they do for a one-node job. srun drops its step options,
+# sets the task's variables and becomes the command (so a signal to it reaches the task, as srun forwards it).
+STAND_IN_SRUN = """#!/bin/bash
+out=""
+while [[ $# -gt 0 && "$1" == --* ]]; do
+  case "$1" in --output=*) out="${1#--output=}" ;; esac
+  shift
+done
+export SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NTASKS=1 SLURM_STEP_NUM_TASKS=1
+if [[ -n "$out" ]]; then
+  out="${out//%x/$SLURM_JOB_NAME}"; out="${out//%j/$SLURM_JOB_ID}"; exec "$@" >>"${out//%N/localhost}" 2>&1
+fi
+exec "$@"
+"""
+STAND_IN_SCONTROL = '#!/bin/bash\necho "$@" >> "$SCONTROL_LOG"\n'
+
+
+def _ranks_of(config: str) -> list[int]:
+    """Processes running ``spade_mega.cli train CONFIG`` themselves (the command lines of the node wrapper and of
+    torchrun hold it too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace") if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if f"spade_mega.cli\0train\0{config}" in cmdline and "torch.distributed.run" not in cmdline \
+                and "spade_mega.launch.node" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _stand_in_job(tmp_path: Path, overrides: list[str]) -> Path:
+    """The tiny config's job script, and srun / scontrol stand-ins in tmp_path/bin."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", STAND_IN_SRUN), ("scontrol", STAND_IN_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(load_config(ROOT / TINY, [
+        "launch.gpus_per_node=1", f"launch.python={sys.executable}", f"run.output_dir={tmp_path / 'runs'}",
+        *overrides]), TINY))
+    return script
+
+
+def _stand_in_env(tmp_path: Path) -> dict[str, str]:
+    return job_env(tmp_path, SLURM_JOB_NAME="tiny", SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+                   PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_job_script_passes_the_time_limit_warning_to_the_trainer_and_requeues(tmp_path: Path) -> None:
+    """The rendered script itself, with the real trainer command: SIGUSR1 to the batch shell (what --signal=B:USR1
+    sends) reaches the trainer's rank through srun and torchrun, the rank stops, and the job is requeued."""
+    script = _stand_in_job(tmp_path, [])
+    env = _stand_in_env(tmp_path)
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not _ranks_of("logs/tiny-123.yaml"):
+            assert job.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainer's rank did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)  # let bash settle in its wait
+        job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 123\n"
+    text = log.read_text()
+    assert "time limit in 600 s: asking the trainer to checkpoint" in text and "requeueing job 123" in text
+    assert re.search(r"Sending process \d+ closing signal SIGUSR1", text)  # torchrun passed it on to the rank
+    assert (tmp_path / "logs" / "tiny-123.yaml").is_file()
+    assert not _ranks_of("logs/tiny-123.yaml")  # nothing of the job is left running
+
+
+@pytest.mark.multiproc
+def test_job_script_stops_the_trainer_when_the_engine_servers_fail(tmp_path: Path) -> None:
+    """A server that cannot start (here its interpreter is /bin/false) ends the engine step; the script stops the
+    trainer, still waiting for /health, instead of leaving it to wait out engine_start_timeout_s."""
+    script = _stand_in_job(tmp_path, ["rollout.engine=vllm", "launch.engine_placement=colocated",
+                                      "inference.hf_weights=/nowhere", "inference.server_python=/bin/false"])
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        status = subprocess.run(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), stdout=out,
+                                stderr=subprocess.STDOUT, timeout=120).returncode
+    text = log.read_text()
+    assert status != 0 and "the engine servers exited; stopping the trainer" in text, text[-3000:]
+    engine_log = (tmp_path / "logs" / "tiny-123-engines-localhost.out").read_text()
+    assert "exited with status 1; stopping this node's servers" in engine_log
+    assert not (tmp_path / "scontrol.log").exists()  # a failure is not requeued
+
+
 # ---- engine servers on a node -----------------------------------------------------------------------------------
 
 
 def test_serve_splits_the_gpus_and_stops_every_server_on_sigterm(tmp_path: Path) -> None:
     base = free_port()
     command = [sys.executable, "-m", "spade_mega.launch.node", "serve", "--servers", "2", "--gpus-per-server", "2",
-               "--port", str(base), "--", sys.executable, str(DATA / "health_server.py"), node.PORT_TOKEN]
+               "--", sys.executable, str(DATA / "health_server.py"), "--port", str(base)]
     serve = subprocess.Popen(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7",
                                            "PYTHONPATH": str(ROOT)})
     urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
@@ -417,8 +532,8 @@ def test_serve_splits_the_gpus_and_stops_every_server_on_sigterm(tmp_path: Path)
 
 def test_serve_stops_the_node_when_one_server_crashes() -> None:
     base = free_port()
-    commands = [([sys.executable, str(DATA / "health_server.py"), str(base), "0.5", "3"], dict(os.environ)),
-                ([sys.executable, str(DATA / "health_server.py"), str(base + 1)], dict(os.environ))]
+    commands = [([sys.executable, str(DATA / "health_server.py"), "--port", str(base), "0.5", "3"], dict(os.environ)),
+                ([sys.executable, str(DATA / "health_server.py"), "--port", str(base + 1)], dict(os.environ))]
     started = time.monotonic()
     assert node.serve(commands, poll_s=0.1) == 3
     assert time.monotonic() - started < 30
@@ -426,8 +541,11 @@ def test_serve_stops_the_node_when_one_server_crashes() -> None:
         node.wait_healthy([f"http://127.0.0.1:{base + 1}"], timeout_s=0.3, poll_s=0.1)
 
 
-def test_server_command_needs_its_port_token() -> None:
-    with pytest.raises(node.SlurmEnvError, match=r"must contain \{port\}"):
-        node.server_commands(["server", "--port", "30000"], 1, 8, 30000, {})
+def test_server_commands_count_ports_up_and_split_gpus() -> None:
+    commands = node.server_commands(["srv", "--port", "30000", "--x"], 4, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    assert [(argv[2], env["CUDA_VISIBLE_DEVICES"]) for argv, env in commands] == \
+        [("30000", "0,1"), ("30001", "2,3"), ("30002", "4,5"), ("30003", "6,7")]
+    with pytest.raises(node.SlurmEnvError, match="must give its port as '--port N'"):
+        node.server_commands(["server", "--host", "0.0.0.0"], 1, 8, {})
     with pytest.raises(node.SlurmEnvError, match="need 16 GPUs, this node shows 8"):
-        node.server_commands(["s", "{port}"], 2, 8, 30000, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+        node.server_commands(["s", "--port", "1"], 2, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})

@@ -544,11 +544,10 @@ class LaunchConfig:
     engine_placement: Literal["auto", "in_process", "colocated", "separate"] = "auto"
     engine_nodes: int = 0  # placement separate: nodes given to the engine servers
     engine_gpus: Optional[int] = None  # GPUs of one server (its tensor/expert parallel size); None: a whole node
-    engine_model: Optional[str] = None  # what the servers load at start; None: model.tokenizer
-    engine_memory_fraction: Optional[float] = None  # GPU memory a server may take (None: the engine's default)
+    # The servers' command is the engine's own (spade_mega/inference): they serve inference.hf_weights with
+    # inference.server_args; a colocated server frees its GPU memory while the trainer steps.
     engine_port: int = 30000  # first server of a node; the next ones count up
     engine_start_timeout_s: int = 1800  # the trainer waits this long for every server's /health
-    engine_args: list[str] = field(default_factory=list)  # appended to every server command
     requeue: bool = True  # checkpoint before the time limit and requeue the job (needs run.resume auto)
     signal_before_s: int = 600  # the trainer gets SIGUSR1 this long before the time limit
 
@@ -588,8 +587,6 @@ class LaunchConfig:
                  f"with placement {self.engine_placement!r}")
         _require(self.engine_gpus is None or self.gpus_per_node % self.engine_gpus == 0, "launch.engine_gpus",
                  f"must divide launch.gpus_per_node ({self.gpus_per_node}), got {self.engine_gpus}")
-        _require(self.engine_memory_fraction is None or 0.0 < self.engine_memory_fraction < 1.0,
-                 "launch.engine_memory_fraction", f"must be in (0, 1), got {self.engine_memory_fraction}")
 
 
 @dataclass

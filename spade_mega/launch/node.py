@@ -26,7 +26,7 @@ from typing import Mapping, Optional, Sequence
 
 from spade_mega.errors import SpadeError
 
-PORT_TOKEN = "{port}"  # replaced by each server's port in a ``serve`` command
+PORT_FLAG = "--port"  # in a ``serve`` command, followed by the port of the node's first server
 
 
 class SlurmEnvError(SpadeError):
@@ -94,12 +94,13 @@ class NodeWiring:
     master_port: int
 
     def engine_urls(self, first_node: int, nodes: int, servers_per_node: int, port: int) -> list[str]:
-        """URLs of the engine servers on ``nodes`` nodes from index ``first_node`` of the job's host list."""
+        """URLs of the engine servers on ``nodes`` nodes from index ``first_node`` of the job's host list; those on
+        this node by loopback (the engine then knows they share this node's /dev/shm for weight updates)."""
         if first_node + nodes > len(self.hosts):
             raise SlurmEnvError(f"engine nodes {first_node}..{first_node + nodes - 1} lie outside the job's "
                                 f"{len(self.hosts)} nodes ({','.join(self.hosts)})")
-        return [f"http://{host}:{port + i}" for host in self.hosts[first_node:first_node + nodes]
-                for i in range(servers_per_node)]
+        return [f"http://{'127.0.0.1' if index == self.node_rank else self.hosts[index]}:{port + i}"
+                for index in range(first_node, first_node + nodes) for i in range(servers_per_node)]
 
 
 def _int_var(environ: Mapping[str, str], name: str) -> int:
@@ -145,24 +146,30 @@ def torch_env(environ: Mapping[str, str], wiring: NodeWiring, launcher: str) -> 
     return env
 
 
-def node_command(environ: Mapping[str, str], wiring: NodeWiring, launcher: str, nproc_per_node: int,
-                 nnodes: int, program: Sequence[str], shutdown_timeout_s: Optional[int] = None) -> list[str]:
-    """The command this node runs: torchrun for the node's ``nproc_per_node`` ranks, or the program itself (srun)."""
+def node_command(wiring: NodeWiring, launcher: str, nproc_per_node: int, nnodes: int, program: Sequence[str],
+                 shutdown_timeout_s: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
+    """The command this node runs and the variables it needs: torchrun for the node's ``nproc_per_node`` ranks, or
+    the program itself (srun: this task is one rank).
+
+    torchrun takes SIGUSR1 (the job's time-limit warning) as one of the signals it hands on to every rank, and gives
+    the ranks ``shutdown_timeout_s`` before killing them. Both go through torchrun's PET_* variables, not flags: a
+    torchrun older than these options (torch < 2.9) ignores them instead of refusing to start; there, SIGUSR1 stops
+    the ranks at once and the requeued job resumes from its last periodic checkpoint.
+    """
     if not program:
         raise SlurmEnvError("no program given after '--' (e.g. -- -m spade_mega.cli train config.yaml)")
     if launcher == "srun":
-        return [sys.executable, *program]
+        return [sys.executable, *program], {}
     if wiring.node_rank >= nnodes:
         raise SlurmEnvError(f"SLURM_NODEID={wiring.node_rank} is not one of the trainer's {nnodes} nodes "
                             "(the training step must start on the first nodes of the job)")
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                f"--nproc-per-node={nproc_per_node}", f"--node-rank={wiring.node_rank}",
-               f"--master-addr={wiring.master_addr}", f"--master-port={wiring.master_port}",
-               # SIGUSR1 (the job's time-limit warning) goes on to every rank instead of killing torchrun
-               "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+               f"--master-addr={wiring.master_addr}", f"--master-port={wiring.master_port}", *program]
+    env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     if shutdown_timeout_s is not None:
-        command.append(f"--shutdown-timeout={shutdown_timeout_s}")
-    return command + list(program)
+        env["PET_SHUTDOWN_TIMEOUT"] = str(shutdown_timeout_s)
+    return command, env
 
 
 def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> None:
@@ -189,11 +196,15 @@ def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> 
         time.sleep(poll_s)
 
 
-def server_commands(command: Sequence[str], servers: int, gpus_per_server: int, port: int,
+def server_commands(command: Sequence[str], servers: int, gpus_per_server: int,
                     environ: Mapping[str, str]) -> list[tuple[list[str], dict[str, str]]]:
-    """One (argv, env) per server of this node: its own slice of GPUs and its own port."""
-    if PORT_TOKEN not in command:
-        raise SlurmEnvError(f"the server command must contain {PORT_TOKEN} where its port goes: {' '.join(command)}")
+    """One (argv, env) per server of this node: its own slice of GPUs, and its own port, counting up from the one
+    after ``--port`` in ``command`` (both SGLang and vLLM take ``--port N``)."""
+    if PORT_FLAG not in command[:-1]:
+        raise SlurmEnvError(f"the server command must give its port as '{PORT_FLAG} N': {' '.join(command)}")
+    at = list(command).index(PORT_FLAG) + 1
+    if not command[at].isdigit():
+        raise SlurmEnvError(f"the server command's {PORT_FLAG} must be a number, got {command[at]!r}")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(servers * gpus_per_server)]
     if len(gpus) < servers * gpus_per_server:
@@ -201,7 +212,8 @@ def server_commands(command: Sequence[str], servers: int, gpus_per_server: int, 
                             f"this node shows {len(gpus)} (CUDA_VISIBLE_DEVICES={visible})")
     out = []
     for i in range(servers):
-        argv = [str(port + i) if arg == PORT_TOKEN else arg for arg in command]
+        argv = list(command)
+        argv[at] = str(int(command[at]) + i)
         env = dict(environ, CUDA_VISIBLE_DEVICES=",".join(gpus[i * gpus_per_server:(i + 1) * gpus_per_server]))
         out.append((argv, env))
     return out
@@ -264,10 +276,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--engines", default=None, metavar="FIRST:NODES:SERVERS:PORT",
                      help="engine servers to wait for and pass on as SPADE_ENGINE_URLS")
     run.add_argument("--engine-timeout", type=float, default=1800.0)
-    srv = actions.add_parser("serve", help="run this node's engine servers (the command holds {port})")
+    srv = actions.add_parser("serve", help="run this node's engine servers (ports from the command's --port up)")
     srv.add_argument("--servers", type=int, required=True)
     srv.add_argument("--gpus-per-server", type=int, required=True)
-    srv.add_argument("--port", type=int, required=True)
     return parser
 
 
@@ -277,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     environ = dict(os.environ)
     try:
         if args.action == "serve":
-            return serve(server_commands(program, args.servers, args.gpus_per_server, args.port, environ))
+            return serve(server_commands(program, args.servers, args.gpus_per_server, environ))
         wiring = node_wiring(environ, args.master_port)
         env = torch_env(environ, wiring, args.launcher)
         if args.engines:
@@ -290,8 +301,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"spade-mega: node {wiring.node_rank} waiting for {len(urls)} engine server(s)", file=sys.stderr,
                   flush=True)
             wait_healthy(urls, args.engine_timeout)
-        command = node_command(environ, wiring, args.launcher, args.nproc_per_node, args.nnodes, program,
-                               args.shutdown_timeout)
+        command, launcher_env = node_command(wiring, args.launcher, args.nproc_per_node, args.nnodes, program,
+                                             args.shutdown_timeout)
+        env.update(launcher_env)
     except SpadeError as exc:
         print(f"spade-mega: error: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,6 @@ from typing import Optional
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.megatron.parallel import ParallelLayout, resolve_layout
-from spade_mega.launch.node import PORT_TOKEN
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class EnginePlan:
     servers_per_node: int
     gpus_per_server: int
     port: int
-    command: tuple[str, ...]  # one server's argv; PORT_TOKEN marks its port
+    command: tuple[str, ...]  # the node's first server; the others count its --port up
 
     @property
     def count(self) -> int:
@@ -59,32 +58,32 @@ def minimal_world_size(cfg: SpadeConfig) -> int:
     return math.lcm(p.tensor * p.pipeline * p.context, (p.expert_tensor or p.tensor) * p.expert * p.pipeline)
 
 
+# What a colocated server needs to hand its GPU memory back while the trainer steps, and to spread a mixture of
+# experts over its GPUs (EP = its GPU count), beyond the engine's own command (spade_mega/inference).
+_COLOCATED_FLAGS = {"sglang": ["--enable-memory-saver"], "vllm": ["--enable-sleep-mode"]}
+_EXPERT_FLAGS = {"sglang": lambda gpus: ["--ep-size", str(gpus)], "vllm": lambda gpus: ["--enable-expert-parallel"]}
+
+
 def server_command(cfg: SpadeConfig, gpus: int, colocated: bool) -> tuple[str, ...]:
-    """The argv of one engine server from its documented command line (SGLang ``sglang.launch_server``, vLLM's
-    OpenAI server). A mixture-of-experts model spreads its experts over the server's GPUs (EP = its GPU count); a
-    colocated server can hand its memory back while the trainer steps (SGLang memory saver, vLLM sleep mode)."""
-    launch, engine = cfg.launch, cfg.rollout.engine
-    model = launch.engine_model or cfg.model.tokenizer
-    if not model:
-        raise ConfigError("launch.engine_model", f"the {engine} servers need a model to load at start (a Hugging "
-                                                 "Face folder or hub name); set it, or model.tokenizer")
-    moe = cfg.model.num_experts > 0 and gpus > 1
-    head = [launch.python, "-m"]
+    """The argv of a node's first engine server: the engine's own command line (the one a run starting its own
+    server uses, so log-probs and weight reloads behave the same), on ``launch.engine_port``, with its environment
+    as ``env`` arguments in front."""
+    engine, inf = cfg.rollout.engine, cfg.inference
+    if not inf.hf_weights:
+        raise ConfigError("inference.hf_weights", f"must name the Hugging Face folder the {engine} servers load at "
+                                                  "start (on a file system every engine node sees)")
     if engine == "sglang":
-        argv = head + ["sglang.launch_server", "--model-path", model, "--host", "0.0.0.0", "--port", PORT_TOKEN,
-                       "--tp-size", str(gpus)]
-        argv += ["--ep-size", str(gpus)] if moe else []
-        argv += ["--enable-memory-saver"] if colocated else []
-        fraction_flag = "--mem-fraction-static"
+        from spade_mega.inference.sglang import SGLangEngine as cls
     else:
-        argv = head + ["vllm.entrypoints.openai.api_server", "--model", model, "--host", "0.0.0.0", "--port",
-                       PORT_TOKEN, "--tensor-parallel-size", str(gpus)]
-        argv += ["--enable-expert-parallel"] if moe else []
-        argv += ["--enable-sleep-mode"] if colocated else []
-        fraction_flag = "--gpu-memory-utilization"
-    if launch.engine_memory_fraction is not None:
-        argv += [fraction_flag, f"{launch.engine_memory_fraction:g}"]
-    return tuple(argv + list(launch.engine_args))
+        from spade_mega.inference.vllm import VLLMEngine as cls
+    extra = list(_COLOCATED_FLAGS[engine] if colocated else [])
+    extra += _EXPERT_FLAGS[engine](gpus) if cfg.model.num_experts and gpus > 1 else []
+    dtype = inf.dtype if inf.dtype != "auto" else cfg.model.params_dtype
+    argv = cls.server_command(inf.server_python or cfg.launch.python, inf.hf_weights, host="0.0.0.0",
+                              port=cfg.launch.engine_port, tensor_parallel=gpus, dtype=dtype,
+                              max_model_len=cfg.rollout.max_context_tokens, extra_args=extra + list(inf.server_args))
+    env = [f"{key}={value}" for key, value in sorted(cls.server_env().items())]
+    return tuple((["env", *env] if env else []) + argv)
 
 
 def plan_launch(cfg: SpadeConfig) -> LaunchPlan:
@@ -102,6 +101,11 @@ def plan_launch(cfg: SpadeConfig) -> LaunchPlan:
         placement = "in_process" if cfg.rollout.engine == "hf" else "colocated"
     engines = None
     if placement != "in_process":
+        spans_nodes = placement == "separate" or launch.nodes > 1
+        if spans_nodes and not cfg.inference.weight_sync_dir:
+            raise ConfigError("inference.weight_sync_dir", "must be a folder on a file system every node sees: engine "
+                                                           "servers on other nodes than global rank 0's load each "
+                                                           "weight update from it (the default, /dev/shm, is per node)")
         gpus = launch.engine_gpus or launch.gpus_per_node
         colocated = placement == "colocated"
         engines = EnginePlan(engine=cfg.rollout.engine, placement=placement,

@@ -6,9 +6,9 @@ user names), which lets examples/slurm/ be checked against the renderer. Every p
 ``python -m spade_mega.launch.node`` (see node.py): the shell only allocates steps and supervises them.
 
 Time limit: SLURM sends the batch shell SIGUSR1 ``launch.signal_before_s`` before the limit (``--signal=B:USR1@S``).
-The script passes it to the training step; torchrun hands it on to every rank (``--signals-to-handle``) and gives the
-ranks ``signal_before_s - 60`` seconds before it kills them. Then the script requeues the job, which resumes from the
-newest checkpoint (``run.resume: auto``).
+The script passes it to the training step; torchrun hands it on to every rank (node.py sets its signals_to_handle)
+and gives the ranks ``signal_before_s - 60`` seconds before it kills them. Then the script requeues the job, which
+resumes from the newest checkpoint (``run.resume: auto``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ TRAIN_PROGRAM = ("-m", "spade_mega.cli", "train")  # run by every rank; global r
 
 def _q(text: str) -> str:
     return shlex.quote(text)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _wrap(words: Sequence[str], width: int = 100) -> list[str]:
@@ -77,12 +81,12 @@ def _engine_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
         return []
     where = "on the trainer's nodes" if e.placement == "colocated" else "on nodes of their own"
     argv = [cfg.launch.python, "-m", "spade_mega.launch.node", "serve", "--servers", str(e.servers_per_node),
-            "--gpus-per-server", str(e.gpus_per_server), "--port", str(e.port), "--", *e.command]
+            "--gpus-per-server", str(e.gpus_per_server), "--", *e.command]
     step = ["--overlap", f"--nodes={e.nodes}", f"--ntasks={e.nodes}", "--ntasks-per-node=1",
             f"--relative={e.first_node}", f'--output="$LOG_DIR/%x-%j-engines-%N.out"']
     return [
-        f"# Engine servers ({e.placement}, {where}): {e.servers_per_node} {e.engine} server(s) of "
-        f"{e.gpus_per_server} GPU(s) on each of {e.nodes} node(s), ports {e.port}.., logs in $LOG_DIR.",
+        f"# Engine servers ({e.placement}, {where}): {_n(e.servers_per_node, e.engine + ' server')} of "
+        f"{_n(e.gpus_per_server, 'GPU')} on each of {_n(e.nodes, 'node')}, ports from {e.port}, logs in $LOG_DIR.",
         f'"${{SRUN[@]}}" {" ".join(step)} \\\n  {_command(argv)} &',
         "ENGINE_PID=$!",
         "",
@@ -103,10 +107,11 @@ def _train_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
     step = (["--overlap"] if e is not None and e.placement == "colocated" else []) + [
         f"--nodes={plan.train_nodes}", f"--ntasks={plan.train_nodes * per_node}", f"--ntasks-per-node={per_node}",
         "--relative=0"]
-    who = (f"one torchrun per node, {launch.gpus_per_node} ranks each" if launch.launcher == "torchrun"
+    who = (f"one torchrun per node, {_n(launch.gpus_per_node, 'rank')} each" if launch.launcher == "torchrun"
            else f"one srun task per rank, {launch.gpus_per_node} per node")
     return [
-        f"# Trainer: {plan.layout.world_size} ranks ({plan.layout.describe()}) on {plan.train_nodes} node(s), {who};",
+        f"# Trainer: {_n(plan.layout.world_size, 'rank')} ({plan.layout.describe()}) on {_n(plan.train_nodes, 'node')}, "
+        f"{who};",
         "# global rank 0 (first node) owns the rollout" + (", its engine URLs in SPADE_ENGINE_URLS." if e else
                                                              f" and runs the {cfg.rollout.engine} engine in-process."),
         f'"${{SRUN[@]}}" {" ".join(step)} \\\n  {_command(argv)} &',

@@ -1,6 +1,6 @@
 """A stand-in engine server for launch tests: GET /health answers 200 with the GPUs it was given.
 
-argv: PORT [EXIT_AFTER_S EXIT_STATUS]: with the last two, it exits with EXIT_STATUS after EXIT_AFTER_S seconds
+argv: --port PORT [EXIT_AFTER_S EXIT_STATUS]: with the last two, it exits with EXIT_STATUS after EXIT_AFTER_S seconds
 (a crashing server).
 """
 
@@ -23,7 +23,7 @@ class Health(BaseHTTPRequestHandler):
         pass
 
 
-server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
-if len(sys.argv) > 3:
-    threading.Timer(float(sys.argv[2]), lambda: os._exit(int(sys.argv[3]))).start()
+server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Health)
+if len(sys.argv) > 4:
+    threading.Timer(float(sys.argv[3]), lambda: os._exit(int(sys.argv[4]))).start()
 server.serve_forever()
