@@ -108,6 +108,7 @@ class _Lockstep:
         self.episodes: list[Optional[AgentEpisode]] = [None] * len(plays)
         self.envs = _Environments(pool, self.rollout.max_open_envs)
         self.pending = deque(range(len(plays)))
+        self.unloadable: dict[str, tuple[EpisodeFailure, str]] = {}  # program hash -> why it did not load
 
     def run(self) -> AgentBatch:
         live: list[_Live] = []
@@ -145,10 +146,16 @@ class _Lockstep:
             play = self.plays[index]
             episode = AgentEpisode(play.env_id, play.program.skill, play.program.content_hash, play.hinted, play.seed,
                                    play.sampling_seed)
+            known = self.unloadable.get(episode.content_hash)
+            if known is not None:  # loading it again would fail again, after up to sandbox.load_timeout_s
+                self._done(index, episode, failure=known[0], detail=known[1])
+                continue
             try:
                 handle = self.envs.acquire(play.program)
             except SandboxError as error:
-                self._done(index, episode, failure=_failure_kind(error), detail=_detail(error, "loading the program"))
+                failure = self.unloadable[episode.content_hash] = (_failure_kind(error),
+                                                                   _detail(error, "loading the program"))
+                self._done(index, episode, failure=failure[0], detail=failure[1])
                 continue
             opened.append(_Live(index, play, episode, handle, min(self.rollout.max_turns, handle.max_turns)))
         results = self.pool.reset_many([(entry.handle, entry.play.seed) for entry in opened]) if opened else []

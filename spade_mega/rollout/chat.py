@@ -6,6 +6,11 @@ line up with the ids the trainer sees. Instead the generated ids are kept exactl
 follows them is tokenised and appended: the end of the assistant turn, the next user message (the observation) and
 the next assistant header. That text is read off the template itself by rendering a probe chat with placeholder
 contents, so any chat template (ChatML, Qwen3's, the plain fallback of ``curriculum.prompts.render``) works.
+
+The sequence then decodes to the chat rendered with each raw answer as the assistant message, with two deliberate
+differences: a template that rewrites earlier turns (Qwen3 drops the reasoning of past answers) is not followed, since
+the model saw its own earlier tokens; and a stop token the template does not write (a base model's eos under the
+plain fallback) stays where the model put it.
 """
 
 from __future__ import annotations

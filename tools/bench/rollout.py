@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4, help="rollout.max_turns")
     parser.add_argument("--new", type=int, default=16, help="rollout.max_response_tokens")
     parser.add_argument("--isolation", default="best-effort", choices=["strict", "best-effort"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     cfg = load_config(args.config, [f"rollout.max_turns={args.turns}", f"rollout.max_response_tokens={args.new}",
                                     f"sandbox.isolation={args.isolation}"])
