@@ -334,8 +334,8 @@ def test_wiring_errors_name_the_variable() -> None:
 def job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The environment of a one-node job on this machine, as srun gives it (SLURM's own variables)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    env.update(SLURM_JOB_ID="123", SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0", PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1", SPADE_TEST_OUT=str(tmp_path), **extra)
+    env.update({"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODEID": "0",
+                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SPADE_TEST_OUT": str(tmp_path), **extra})
     return env
 
 
@@ -362,29 +362,39 @@ def test_srun_direct_tasks_form_one_world(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiproc
-def test_torchrun_node_passes_the_time_limit_signal_to_every_rank(tmp_path: Path) -> None:
-    """One node's torchrun, started by the wrapper as the job script does, waits for the engine servers, starts both
-    ranks with their URLs, and hands SIGUSR1 (the script's time-limit warning) on to them."""
-    engine_port = free_port()
+def test_torchrun_nodes_form_one_world_and_pass_the_time_limit_signal_on(tmp_path: Path) -> None:
+    """Two nodes of a job (two hosts of SLURM_JOB_NODELIST, both this machine), one torchrun each as the job script
+    starts them: they wait for the engine server on node 0, rendezvous on the first host into one world with the
+    server's URL (loopback on its own node), and hand SIGUSR1 (the script's time-limit warning) on to their ranks."""
+    engine_port, master_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, str(DATA / "health_server.py"), "--port", str(engine_port)])
+    torchruns = []
     try:
-        torchrun = subprocess.Popen(
-            [sys.executable, "-m", "spade_mega.launch.node", "exec", "--launcher", "torchrun", "--nproc-per-node",
-             "2", "--nnodes", "1", "--master-port", str(free_port()), "--shutdown-timeout", "60",
-             "--engines", f"0:1:1:{engine_port}", "--engine-timeout", "60", "--", str(DATA / "allreduce.py")],
-            env=job_env(tmp_path, SPADE_TEST_WAIT_USR1="1"))
+        for node_id in range(2):
+            torchruns.append(subprocess.Popen(
+                [sys.executable, "-m", "spade_mega.launch.node", "exec", "--launcher", "torchrun", "--nproc-per-node",
+                 "1", "--nnodes", "2", "--master-port", str(master_port), "--shutdown-timeout", "60",
+                 "--engines", f"0:1:1:{engine_port}", "--engine-timeout", "60", "--", str(DATA / "allreduce.py")],
+                env=job_env(tmp_path, SLURM_JOB_NODELIST="localhost,127.0.0.1", SLURM_NODEID=str(node_id),
+                            SPADE_TEST_WAIT_USR1="1")))
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-            assert torchrun.poll() is None and time.monotonic() < deadline, "ranks did not start"
+            assert all(t.poll() is None for t in torchruns) and time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.1)
-        torchrun.send_signal(signal.SIGUSR1)
-        torchrun.wait(timeout=90)
+        for torchrun in torchruns:
+            torchrun.send_signal(signal.SIGUSR1)
+        for torchrun in torchruns:
+            torchrun.wait(timeout=90)
     finally:
-        server.terminate()
-        server.wait()
+        for proc in (server, *torchruns):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     ranks = read_ranks(tmp_path, 2)
-    assert [(r["rank"], r["world"], r["sum"], r["usr1"]) for r in ranks] == [(0, 2, 3.0, True), (1, 2, 3.0, True)]
-    assert {r["engine_urls"] for r in ranks} == {f"http://127.0.0.1:{engine_port}"}
+    assert [(r["rank"], r["world"], r["local_rank"], r["sum"], r["usr1"]) for r in ranks] == \
+        [(0, 2, 0, 3.0, True), (1, 2, 0, 3.0, True)]
+    assert {(r["master_addr"], r["master_port"]) for r in ranks} == {("localhost", master_port)}
+    assert [r["engine_urls"] for r in ranks] == [f"http://127.0.0.1:{engine_port}", f"http://localhost:{engine_port}"]
 
 
 @pytest.mark.multiproc

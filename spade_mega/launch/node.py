@@ -237,7 +237,8 @@ def serve(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: float = 
         while not stop["signal"]:
             exited = [p for p in procs if p.poll() is not None]
             if exited:
-                status = next((p.returncode for p in exited if p.returncode), 0)
+                code = next((p.returncode for p in exited if p.returncode), 0)
+                status = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
                 print(f"spade-mega: engine server {' '.join(exited[0].args)} exited with status "
                       f"{exited[0].returncode}; stopping this node's servers", file=sys.stderr, flush=True)
                 break

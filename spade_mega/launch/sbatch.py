@@ -131,7 +131,7 @@ while [[ -z "$STATUS" ]]; do
     ENGINE_FAILED=1
     kill -TERM "$TRAIN_PID" 2>/dev/null
   else
-    sleep 5 & wait $!
+    sleep 2 & wait $!
   fi
 done
 if [[ "$ENGINE_FAILED" == 1 && "$STATUS" == 0 ]]; then STATUS=1; fi
