@@ -172,6 +172,14 @@ def test_rendered_script_is_deterministic_and_valid_bash(name: str, tmp_path: Pa
     assert result.returncode == 0, result.stderr
 
 
+def test_script_run_outside_slurm_says_to_use_sbatch(tmp_path: Path) -> None:
+    (tmp_path / "job.sbatch").write_text(render())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "SLURM_JOB_ID: is not set: submit this script with sbatch" in result.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "job.sbatch"]  # before anything was written
+
+
 def directives(script: str) -> list[str]:
     return re.findall(r"^#SBATCH (\S+)$", script, flags=re.M)
 

@@ -164,6 +164,7 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
         f"# Submit with `spade-mega launch slurm ... --submit`, or create {launch.log_dir}/ first, then sbatch this file.",
         "",
         "set -uo pipefail",
+        ': "${SLURM_JOB_ID:?is not set: submit this script with sbatch}"',
         "",
     ]
     if launch.setup or launch.env:
