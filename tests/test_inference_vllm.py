@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spade_mega.config.schema import ModelConfig
+from spade_mega.config.schema import ModelConfig, SpadeConfig
 from spade_mega.inference import EngineError, GenerationRequest, SamplingParams
 from spade_mega.inference.server import Server, write_model_folder
 from spade_mega.inference.sglang import SGLangEngine
@@ -71,7 +71,8 @@ def forward_logprobs(model, generation, temperature: float) -> tuple[torch.Tenso
 
 def test_a_server_that_exits_while_starting_is_an_error_quoting_its_log(tmp_path):
     command = [sys.executable, "-c", "print('cannot load model /nowhere'); raise SystemExit(3)"]
-    with pytest.raises(EngineError, match=r"exited with status 3[\s\S]*cannot load model /nowhere"):
+    expected = r"exited with status 3[\s\S]*spade-mega\[vllm\][\s\S]*cannot load model /nowhere"
+    with pytest.raises(EngineError, match=expected):
         Server.start("vLLM", command, port=1, health_path="/health", timeout_s=30, log_path=tmp_path / "s.log")
 
 
@@ -253,3 +254,41 @@ def test_vllm_bad_requests_are_errors_naming_the_request(vllm):
     near_end = GenerationRequest(tuple([65] * (MAX_MODEL_LEN - 4)), SamplingParams(max_new_tokens=16))
     cut = vllm.generate([near_end])[0]
     assert cut.finish_reason == "length" and len(cut.output_ids) == 4
+
+
+@pytest.mark.engine
+def test_build_engine_attaches_to_the_servers_of_spade_engine_urls(vllm, model_folder, monkeypatch):
+    """What a SLURM job does: the launcher starts the servers and passes their URLs; the run attaches, and closing
+    its engine leaves the servers running."""
+    from spade_mega.inference import build_engine
+    from spade_mega.inference.vllm import VLLMEngine
+
+    cfg = SpadeConfig()
+    cfg.rollout.engine = "vllm"
+    cfg.inference.hf_weights = str(model_folder)
+    monkeypatch.setenv("SPADE_ENGINE_URLS", vllm.servers[0].url)
+    attached = build_engine(cfg, TOK)
+    try:
+        assert isinstance(attached, VLLMEngine) and attached.servers[0].process is None
+        greedy = [request(PROMPTS[2], max_new_tokens=5, temperature=0.0)]
+        assert attached.generate(greedy)[0].output_ids == vllm.generate(greedy)[0].output_ids
+    finally:
+        attached.close()
+        attached.close()  # idempotent
+    assert vllm.generate(greedy)[0].finish_reason == "length"  # the attached server still runs
+
+
+def test_attaching_needs_the_served_folder_and_a_shared_sync_dir_for_remote_servers(model_folder):
+    from spade_mega.config.errors import ConfigError
+    from spade_mega.inference.vllm import VLLMEngine
+
+    cfg = SpadeConfig()
+    cfg.inference.server_urls = ["http://node7:30000"]
+    with pytest.raises(ConfigError, match="inference.hf_weights"):
+        VLLMEngine.from_config(cfg, TOK)
+    cfg.inference.hf_weights = str(model_folder)
+    with pytest.raises(ConfigError, match="inference.weight_sync_dir.*node7"):
+        VLLMEngine.from_config(cfg, TOK)
+    cfg.inference.server_urls = ["node7:30000"]
+    with pytest.raises(ConfigError, match=r"inference.server_urls\[0\]"):
+        cfg.check()

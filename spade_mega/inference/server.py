@@ -20,7 +20,6 @@ size in RAM during the update.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 import logging
 import os
 import shutil
@@ -35,6 +34,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -105,6 +105,7 @@ class Server:
                  log_path: Optional[Path] = None) -> None:
         self.name, self.url = name, url.rstrip("/")
         self.process, self.log_path = process, log_path
+        self.command = ""  # what was started, for error messages
         # a server left running by an engine nobody closed still goes when the interpreter exits
         self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
 
@@ -123,9 +124,10 @@ class Server:
                                            stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
                                            start_new_session=True)
             except OSError as exc:
-                raise EngineError(f"cannot start the {name} server ({command[0]}: {exc.strerror}); install it or "
-                                  "point inference.server_python at the Python that has it") from None
+                raise EngineError(f"cannot start the {name} server ({command[0]}: {exc.strerror}); set "
+                                  "inference.server_python to a Python that has it") from None
         server = cls(name, f"http://127.0.0.1:{port}", process, log_path)
+        server.command = " ".join(command)
         log.info("started %s server (pid %d) on port %d, log %s", name, process.pid, port, log_path)
         try:
             server.wait_healthy(health_path, timeout_s)
@@ -145,8 +147,10 @@ class Server:
         start = time.monotonic()
         while True:
             if self.process is not None and self.process.poll() is not None:
-                raise EngineError(f"the {self.name} server exited with status {self.process.returncode} while "
-                                  f"starting{self.log_tail()}")
+                raise EngineError(f"the {self.name} server ({self.command}) exited with status "
+                                  f"{self.process.returncode} while starting; if its Python lacks {self.name}, install "
+                                  f"it (pip install 'spade-mega[{self.name.lower()}]') or set "
+                                  f"inference.server_python{self.log_tail()}")
             try:
                 self.request("GET", health_path, timeout_s=5.0)
                 log.info("%s server at %s healthy after %.1f s", self.name, self.url, time.monotonic() - start)
@@ -484,6 +488,9 @@ class ServerEngine(ABC):
             server.stop()
         if self._own_sync_root:
             shutil.rmtree(self._sync_root, ignore_errors=True)
+        elif self._served_dir is not None:  # a shared weight_sync_dir keeps only what others put there
+            shutil.rmtree(self._served_dir, ignore_errors=True)
+            self._served_dir = None
 
     def __enter__(self) -> "ServerEngine":
         return self
