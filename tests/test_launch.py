@@ -188,7 +188,7 @@ def test_recipe_script_directives_steps_and_environment() -> None:
     script = render()
     assert directives(script) == ["--job-name=qwen3_30b_a3b_games", "--nodes=1", "--ntasks-per-node=1",
                                   "--gpus-per-node=8", "--time=24:00:00", "--output=logs/%x-%j.out",
-                                  "--open-mode=append", "--requeue", "--signal=B:USR1@600"]
+                                  "--open-mode=append", "--requeue", "--signal=B:USR1@600", "--exclusive"]
     assert "export NCCL_DEBUG=WARN\n" in script
     engine, train = (s for s in script.split('"${SRUN[@]}" ')[1:])
     assert engine.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
