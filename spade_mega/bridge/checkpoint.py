@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from spade_mega.bridge.export import SOURCE, export_hf, local_shards, rules_of
+from spade_mega.bridge.export import SOURCE, agree, export_hf, local_shards, rules_of
 from spade_mega.bridge.mapping import BridgeError, Rule
 from spade_mega.errors import SpadeError
 
@@ -33,14 +33,6 @@ SINGLE = "model.safetensors"
 ARCHITECTURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
-
-
-def _sync_error(message: Optional[str]) -> None:
-    """Raise ``message`` (rank 0's) on every rank, so no rank is left waiting in a later collective."""
-    box = [message]
-    dist.broadcast_object_list(box, src=SOURCE)
-    if box[0] is not None:
-        raise BridgeError(box[0])
 
 
 def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float] = None,
@@ -61,7 +53,7 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
                 staging.mkdir(parents=True)
             except OSError as exc:
                 error = f"cannot create the checkpoint folder next to {folder}: {exc.strerror or exc}"
-    _sync_error(error)
+    agree(error)
     files: list[tuple[str, list[str]]] = []
     total = 0
     # rank 0 goes on draining the export after a write error: the other ranks are sending until its end
@@ -86,7 +78,7 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-    _sync_error(error)
+    agree(error)
     return folder
 
 
@@ -198,17 +190,12 @@ def load_hf(trainer: "Trainer", folder: str | Path, *, progress: Optional[Callab
     try:
         checkpoint = HFCheckpoint(folder)
         check_checkpoint(checkpoint, list(rules.values()), hf_config_dict(trainer.model_cfg))
+        shards = local_shards(trainer, rules)
     except SpadeError as exc:  # a BridgeError, or a ConfigError from its config.json
         message = str(exc)
-    # every rank checks the same headers; agreeing on the outcome keeps a rank-local read failure from hanging others
-    failed = torch.tensor([message is not None], dtype=torch.int32)
-    dist.all_reduce(failed)
-    if message is not None:
-        raise BridgeError(message)
-    if int(failed):
-        raise BridgeError(f"{folder}: another rank could not read the checkpoint (see its error)")
+    agree(message)  # every rank checks the same headers, but a read can fail on one rank alone
     with torch.no_grad():
-        for name, shard in local_shards(trainer, rules).items():
+        for name, shard in shards.items():
             rule = rules[name]
             hf = [checkpoint.tensor(n) for n in rule.hf]
             value = rule.transform.to_megatron(hf, shard.index, shard.count, tuple(shard.tensor.shape))

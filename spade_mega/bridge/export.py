@@ -35,6 +35,18 @@ class Shard:
     count: int
 
 
+def agree(message: Optional[str]) -> None:
+    """Raise on every rank if any rank has an error ``message`` (its own, else the lowest failing rank's): a rank
+    that raised alone would leave the others waiting in their next collective."""
+    messages: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    if message is not None:
+        raise BridgeError(message)
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if failed:
+        raise BridgeError(f"rank {failed[0][0]}: {failed[0][1]}")
+
+
 def _chunks(trainer: "Trainer") -> list[Any]:
     from megatron.core.utils import unwrap_model
 
@@ -118,7 +130,12 @@ def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator
     if limit <= 0:
         raise BridgeError(f"bucket_mb must be > 0, got {bucket_mb}")
     rules = rules_of(trainer)
-    shards = local_shards(trainer, rules)
+    message, shards = None, {}
+    try:
+        shards = local_shards(trainer, rules)
+    except BridgeError as exc:
+        message = str(exc)
+    agree(message)
     plan = _plan(rules, shards)
     rank = dist.get_rank()
     device = trainer.backend.device

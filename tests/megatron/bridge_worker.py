@@ -151,8 +151,8 @@ def engine_logits(engine):
 
 def scenario_layouts(args) -> None:
     """Per layout: load_hf, logits, export; then sync_weights into a real in-process HFEngine on rank 0. The first
-    layout first syncs into an engine of another architecture (dense), which refuses the update: every rank must
-    raise, and the next sync must still work (no rank left behind in the transfer)."""
+    layout first loads a checkpoint of another architecture and syncs into an engine of another architecture (dense),
+    both refused: every rank must raise, and what follows must still work (no rank left behind in a collective)."""
     import torch
 
     from spade_mega.bridge import BridgeError, load_hf, sync_weights
@@ -162,8 +162,14 @@ def scenario_layouts(args) -> None:
         model, overrides = LAYOUTS[name]
         folder = args.ref / f"hf_{model}"
         trainer = trainer_for(config(model, [f"model.hf_config={folder}", *overrides]))
+        refusals = {}
+        if i == 0:  # a checkpoint of another architecture: refused on every rank, nothing loaded
+            try:
+                load_hf(trainer, args.ref / "hf_dense")
+            except BridgeError as exc:
+                refusals["load_refused"] = str(exc)
         load_hf(trainer, folder)
-        result = {"logits": torch.cat(trainer.logits([probe()])), "export": export_of(trainer),
+        result = {**refusals,"logits": torch.cat(trainer.logits([probe()])), "export": export_of(trainer),
                   "layout": trainer.layout.describe()}
         if i == 0:
             wrong = HFEngine(config("dense", []).model, eos_token_id=0, device="cpu") if rank0() else None
@@ -178,8 +184,9 @@ def scenario_layouts(args) -> None:
         if rank0():
             result.update(engine_version=engine.weight_version, engine_logits=engine_logits(engine))
             torch.save(result, args.out / f"{name}.pt")
-        elif "refused" in result:
-            (args.out / f"{name}_refused_rank{torch.distributed.get_rank()}.txt").write_text(result["refused"])
+        elif i == 0:
+            (args.out / f"{name}_refused_rank{torch.distributed.get_rank()}.json").write_text(
+                json.dumps({k: result[k] for k in ("refused", "load_refused")}))
 
 
 def main() -> None:

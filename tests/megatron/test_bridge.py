@@ -120,7 +120,16 @@ def test_a_refused_update_fails_every_rank_and_the_next_sync_works(layouts: Path
     first = list(LAYOUTS)[0]
     result = torch.load(layouts / f"{first}.pt")
     assert result["refused"].startswith("EngineError: weight update: the model has no tensor")
-    other = (layouts / f"{first}_refused_rank1.txt").read_text()
-    assert other.startswith("BridgeError: the rollout engine on rank 0 refused weight version 1: EngineError")
+    other = json.loads((layouts / f"{first}_refused_rank1.json").read_text())
+    assert other["refused"].startswith("BridgeError: the rollout engine on rank 0 refused weight version 1: "
+                                       "EngineError")
     assert result["grad_enabled_after_refusal"], "the export must not leave autograd switched off"
     assert result["engine_version"] == 7  # the same ranks synced again afterwards
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_on_every_rank(layouts: Path) -> None:
+    first = list(LAYOUTS)[0]
+    for message in (torch.load(layouts / f"{first}.pt")["load_refused"],
+                    json.loads((layouts / f"{first}_refused_rank1.json").read_text())["load_refused"]):
+        assert "hf_dense: config.json has model_type = 'qwen3', the model has 'qwen3_moe'" in message
+    # and the right checkpoint loaded afterwards gives the right model (test_parallel_export_... on the same run)
