@@ -59,7 +59,8 @@ def test_transformer_engine_names_differ_only_where_the_spec_fuses() -> None:
         "decoder.layers.0.mlp.experts.linear_fc1.weight3"
     assert "decoder.layers.0.pre_mlp_layernorm.weight" not in changed  # MoE: not fused into the experts
     dense = {r.hf[0]: r.megatron for r in weight_table(MODELS["dense"], te=True)}
-    assert dense["model.layers.0.post_attention_layernorm.weight"] == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert dense["model.layers.0.post_attention_layernorm.weight"] == \
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
