@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -154,12 +155,23 @@ E2E = ["selfplay.num_rollouts=3", "selfplay.regen_interval=2", "selfplay.designe
 TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s")
 
 
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _train(out: Path, *, signal_after: str | None = None) -> str:
+    """Run `spade-mega train` to its end; with ``signal_after``, send it SIGUSR1 once that text is logged. Its
+    standard output."""
     isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
-    proc = subprocess.run([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation, *extra],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    proc = subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    early = []
+    if signal_after is not None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            early.append(line)
+            if signal_after in line:
+                proc.send_signal(signal.SIGUSR1)
+                break
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, ("".join(early) + stderr)[-4000:]
+    return stdout
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -178,8 +190,8 @@ def _memory(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Run A: three rollouts straight. Run B: a copy of A's directory as if the job died after the checkpoint of
-    rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2 and 3 left behind), then
-    resumed."""
+    rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2 and 3 left behind), resumed
+    and stopped by SIGUSR1 (SLURM's time-limit warning) during rollout 2, then resumed again."""
     base = tmp_path_factory.mktemp("selfplay")
     _train(base / "a")
     straight = base / "a" / "tiny_cpu"
@@ -189,8 +201,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for ckpt in sorted(store.root.glob("step_*")):
         if store.read_state(ckpt).rollout > 1:
             shutil.rmtree(ckpt)
-    proc = _train(base / "b")
-    assert "resumed at rollout 1" in proc.stdout
+    stdout = _train(base / "b", signal_after="resumed from")
+    assert "stopped on SIGUSR1 after 2 rollouts" in stdout and "resumed at rollout 1" in stdout
+    assert [store.read_state(ckpt).rollout for ckpt in sorted(store.root.glob("step_*"))] == [1, 2]
+    assert "resumed at rollout 2" in _train(base / "b")
     return straight, resumed
 
 
@@ -233,7 +247,7 @@ def test_weights_reach_the_engine(runs: tuple[Path, Path]) -> None:
 @pytest.mark.slow
 def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) -> None:
     """Everything but wall-clock figures is bitwise the same: samples, rewards, losses, gradient norms, the loop
-    state, the memory (its `proposals` counts aside); the interrupted run's later records are set aside."""
+    state, the memory (its `proposals` counts aside); the crashed run's later records are set aside."""
     straight, resumed = runs
     a, b = _records(straight), _records(resumed)
     assert sorted(b) == [1, 2, 3]

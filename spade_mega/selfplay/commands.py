@@ -13,7 +13,9 @@ def _train(args: argparse.Namespace) -> int:
     summary = run(load_config(args.config, args.overrides))
     if summary.report is not None:
         start = "a new run" if summary.resumed_from is None else f"resumed at rollout {summary.resumed_from}"
-        print(f"done: {summary.rollouts} rollouts in {summary.run_dir} ({start}); report: {summary.report}")
+        what = "stopped on SIGUSR1 after" if summary.stopped else "done:"
+        print(f"{what} {summary.rollouts} rollouts in {summary.run_dir} ({start}); report: {summary.report}"
+              + ("; run the same command to resume" if summary.stopped else ""))
     return 0
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +68,36 @@ class RunSummary:
     resumed_from: Optional[int]  # the rollout of the checkpoint resumed from; None for a new run
     rollouts: int  # rollouts completed, in all
     report: Optional[Path]
+    stopped: bool = False  # stopped early on SIGUSR1, after saving: run again to resume
+
+
+class _StopSignal:
+    """SIGUSR1 asks the loop to finish the rollout in progress, save and stop: it is SLURM's time-limit warning, which
+    the job script (spade-mega launch slurm) passes to every rank before it requeues the job, so the requeued job
+    resumes from that rollout instead of the last periodic checkpoint. The ranks agree at the end of each rollout
+    (a rank the signal reached stops them all at the same rollout)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_StopSignal":
+        if threading.current_thread() is threading.main_thread():  # Python handles signals on the main thread only
+            self._previous = signal.signal(signal.SIGUSR1, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([float(self.requested)], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGUSR1, self._previous)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -350,21 +382,22 @@ class SelfPlay:
     def run(self) -> RunSummary:
         cfg = self.cfg
         setup_logging(cfg.logging)
-        checkpoint = self._checkpoint_to_resume()
-        state = self.store.read_state(checkpoint) if checkpoint is not None else None
-        trainer = Trainer(cfg, total_steps=self._steps_estimate())
-        rank = dist.get_rank()
-        if rank == 0:
-            prepare_run_dir(cfg)
-        actor = _Actor(cfg, self.run_dir) if rank == 0 else None
-        try:
-            return self._run(trainer, actor, checkpoint, state)
-        finally:
-            if actor is not None:
-                actor.close()
+        with _StopSignal() as stop:  # from the start: a time-limit warning while the trainer builds stops at rollout 1
+            checkpoint = self._checkpoint_to_resume()
+            state = self.store.read_state(checkpoint) if checkpoint is not None else None
+            trainer = Trainer(cfg, total_steps=self._steps_estimate())
+            rank = dist.get_rank()
+            if rank == 0:
+                prepare_run_dir(cfg)
+            actor = _Actor(cfg, self.run_dir) if rank == 0 else None
+            try:
+                return self._run(trainer, actor, checkpoint, state, stop)
+            finally:
+                if actor is not None:
+                    actor.close()
 
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
-             state: Optional[LoopState]) -> RunSummary:
+             state: Optional[LoopState], stop: _StopSignal) -> RunSummary:
         from spade_mega.bridge import sync_weights
 
         cfg = self.cfg
@@ -379,6 +412,7 @@ class SelfPlay:
             actor.memory.discard_after(0)  # a run that never saved replays from its first rollout
         sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
         total = cfg.selfplay.num_rollouts
+        done, stopped = start, False
         with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None) \
                 as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
             for r in range(start + 1, total + 1):
@@ -390,7 +424,8 @@ class SelfPlay:
                 synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
                 values["time/sync_s"] = synced.seconds
                 values["perf/sync_mb_per_s"] = synced.mb_per_s
-                if r % cfg.selfplay.save_interval == 0 or r == total:
+                stopped = stop.agreed(trainer.backend.device) and r < total
+                if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
                     self._save(trainer, actor, r)
                     values["time/checkpoint_s"] = time.perf_counter() - started
@@ -398,12 +433,17 @@ class SelfPlay:
                 values["train/optimizer_step"] = float(trainer.step)
                 metrics.log(r, values)
                 bar.update(r, values)
+                done = r
+                if stopped:
+                    log.warning("SIGUSR1: stopped after rollout %d of %d, checkpoint saved; the same command "
+                                "resumes from it", r, total)
+                    break
         report = None
         if dist.get_rank() == 0:
             from spade_mega.monitor.report import build_report
 
             report = build_report(self.run_dir).html
-        return RunSummary(self.run_dir, start if checkpoint is not None else None, max(start, total), report)
+        return RunSummary(self.run_dir, start if checkpoint is not None else None, done, report, stopped)
 
     def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> dict[str, float]:
         """The rollout's optimizer steps. Old log-probs come from one forward before the first step, so every step
