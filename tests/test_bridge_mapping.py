@@ -161,3 +161,16 @@ def test_unreadable_folders_are_named(tmp_path: Path) -> None:
                                                                                     "b": "one.safetensors"}}))
     with pytest.raises(BridgeError, match="lists b in one.safetensors, which does not hold it"):
         HFCheckpoint(indexed)
+
+
+def test_qwen3_30b_a3b_table_has_every_tensor_of_its_checkpoint() -> None:
+    """The published Qwen3-30B-A3B checkpoint holds 18,867 tensors; the table's shapes add up to the analytic
+    parameter count (two independent computations)."""
+    from spade_mega.megatron.providers import model_config_from_hf, parameter_count
+
+    model = model_config_from_hf(Path(__file__).parents[1] / "examples/hf/qwen3_30b_a3b/config.json")
+    for te in (False, True):
+        exported = [(hf, shape) for rule in weight_table(model, te) if rule.export
+                    for hf, shape in zip(rule.hf, rule.shapes)]
+        assert len(exported) == len({hf for hf, _ in exported}) == 18867
+        assert sum(torch.Size(shape).numel() for _, shape in exported) == parameter_count(model).total
