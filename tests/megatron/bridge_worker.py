@@ -93,14 +93,19 @@ def trainer_for(cfg):
     return Trainer(cfg)
 
 
-def export_of(trainer) -> dict:
+BUCKET_MB = 0.1  # several buckets even for the tiny model
+
+
+def export_of(trainer) -> tuple[dict, list[tuple[int, int]]]:
+    """The exported tensors, and (tensors, bytes) of each bucket."""
     from spade_mega.bridge import export_hf
 
     tensors: dict = {}
-    for bucket in export_hf(trainer, bucket_mb=0.1):  # several buckets even for the tiny model
-        assert not tensors.keys() & bucket.keys()
+    buckets = []
+    for bucket in export_hf(trainer, bucket_mb=BUCKET_MB):
         tensors.update(bucket)
-    return tensors
+        buckets.append((len(bucket), sum(t.numel() * t.element_size() for t in bucket.values())))
+    return tensors, buckets
 
 
 def rank0() -> bool:
@@ -122,7 +127,7 @@ def scenario_reference(args) -> None:
         trainer = trainer_for(cfg)
         load_hf(trainer, folder)
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"reference_{model}_logits.pt")
-        torch.save(export_of(trainer), args.out / f"reference_{model}_export.pt")
+        torch.save(export_of(trainer)[0], args.out / f"reference_{model}_export.pt")
         step = trainer.train_step([probe()])
         save_hf(trainer, args.out / f"trained_{model}", bucket_mb=0.1)
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"trained_{model}_logits.pt")
@@ -169,7 +174,8 @@ def scenario_layouts(args) -> None:
             except BridgeError as exc:
                 refusals["load_refused"] = str(exc)
         load_hf(trainer, folder)
-        result = {**refusals,"logits": torch.cat(trainer.logits([probe()])), "export": export_of(trainer),
+        exported, buckets = export_of(trainer)
+        result = {**refusals, "logits": torch.cat(trainer.logits([probe()])), "export": exported, "buckets": buckets,
                   "layout": trainer.layout.describe()}
         if i == 0:
             wrong = HFEngine(config("dense", []).model, eos_token_id=0, device="cpu") if rank0() else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_worker import LAYOUTS, MODELS
+from bridge_worker import BUCKET_MB, LAYOUTS, MODELS
 from megatron_launch import run_worker
 
 from spade_mega.bridge.checkpoint import INDEX, iter_checkpoint
@@ -102,6 +102,10 @@ def test_parallel_export_equals_the_checkpoint_bit_for_bit(reference: Path, layo
     for name, tensor in original.items():
         assert torch.equal(result["export"][name], tensor), f"{layout}: {name}"
     assert_logits_close(result["logits"], torch.load(reference / f"hf_{model}_logits.pt"), f"{layout} after load_hf")
+    # streamed: no bucket beyond the limit unless it is a single larger tensor, and every tensor exactly once
+    assert len(result["buckets"]) > 1
+    assert all(nbytes <= BUCKET_MB * 2**20 or count == 1 for count, nbytes in result["buckets"])
+    assert sum(count for count, _ in result["buckets"]) == len(original)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
