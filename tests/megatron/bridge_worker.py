@@ -117,7 +117,7 @@ def rank0() -> bool:
 def scenario_reference(args) -> None:
     import torch
 
-    from spade_mega.bridge import load_hf, save_hf
+    from spade_mega.bridge import BridgeError, load_hf, save_hf
     result = {}
     for i, model in enumerate(MODELS):
         folder = args.out / f"hf_{model}"
@@ -129,10 +129,15 @@ def scenario_reference(args) -> None:
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"reference_{model}_logits.pt")
         torch.save(export_of(trainer)[0], args.out / f"reference_{model}_export.pt")
         step = trainer.train_step([probe()])
-        save_hf(trainer, args.out / f"trained_{model}", bucket_mb=0.1)
+        save_hf(trainer, args.out / f"trained_{model}", bucket_mb=BUCKET_MB)
+        again = None
+        try:  # never over an existing checkpoint
+            save_hf(trainer, args.out / f"trained_{model}")
+        except BridgeError as exc:
+            again = str(exc)
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"trained_{model}_logits.pt")
         torch.save(hf_logits(args.out / f"trained_{model}"), args.out / f"trained_{model}_hf_logits.pt")
-        result[model] = {"updated": step.updated, "grad_norm": step.metrics["grad_norm"]}
+        result[model] = {"save_again": again, "updated": step.updated, "grad_norm": step.metrics["grad_norm"]}
     # the CLI, in this process: Hugging Face -> Megatron checkpoint -> Hugging Face
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 

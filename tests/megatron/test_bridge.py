@@ -82,6 +82,8 @@ def test_saved_checkpoint_is_a_complete_hugging_face_folder(reference: Path) -> 
         cfg = build(SpadeConfig, apply_overrides(to_dict(SpadeConfig()), overrides))
         assert json.loads((folder / "config.json").read_text()) == hf_config_dict(cfg.model)
         assert ("lm_head.weight" in tensors) == (not cfg.model.tie_embeddings)
+        refused = json.loads((reference / "reference.json").read_text())[model]["save_again"]
+        assert refused == f"{folder} already exists and is not an empty folder; choose a new one for the checkpoint"
     assert not list(reference.glob(".*partial*")), "no staging folder is left behind"
 
 
