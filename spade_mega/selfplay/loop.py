@@ -481,14 +481,17 @@ class SelfPlay:
             self.store.prune_states()
 
 
-def _broadcast(payload: Optional[tuple[list[TrainSample], dict[str, float]]]) -> tuple[list[TrainSample],
-                                                                                        dict[str, float]]:
-    """Rank 0's samples and metrics on every rank (the trainer takes the same global batch everywhere)."""
-    if dist.get_world_size() == 1:
-        assert payload is not None
-        return payload
+Payload = tuple[list[TrainSample], dict[str, float]]
+
+
+def _broadcast(payload: Optional[Payload]) -> Payload:
+    """Rank 0's samples and metrics on every rank (the trainer takes the same global batch everywhere); pickled
+    between the job's own ranks, never from a sandbox worker."""
     box = [payload]
-    dist.broadcast_object_list(box, src=0)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise RuntimeError("rank 0 sent no rollout (its actor is missing)")
     return box[0]
 
 
