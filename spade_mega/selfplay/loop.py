@@ -408,8 +408,12 @@ class SelfPlay:
             if actor is not None:
                 actor.restore(state)
             log.info("resumed from %s (rollout %d, optimizer step %d)", checkpoint, start, trainer.step)
-        elif actor is not None:
-            actor.memory.discard_after(0)  # a run that never saved replays from its first rollout
+        elif actor is not None:  # an attempt of this run that never saved: it starts over, so does its memory
+            discarded = actor.memory.discard_after(0)
+            if any(discarded.values()):
+                log.warning("memory %s: discarded %d environment(s) and %d evaluation(s) of an earlier attempt of "
+                            "this run that saved no checkpoint (the run starts over from rollout 1)",
+                            actor.memory.path, discarded["environments"], discarded["evaluations"])
         sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
