@@ -106,17 +106,14 @@ def _plan(rules: dict[str, Rule], shards: dict[str, Shard]) -> dict[str, _Planne
         missing = [i for i in range(count) if i not in providers[name]]
         if missing:
             raise BridgeError(f"no rank holds shard(s) {missing} of {count} of Megatron parameter {name}")
+        # the joined shapes, on the meta device: checked on every rank alike, before anything is sent
+        joined = rule.transform.to_hf([torch.empty(shape, device="meta")] * count)
+        for hf, want, tensor in zip(rule.hf, rule.shapes, joined):
+            if tuple(tensor.shape) != want:
+                raise BridgeError(f"Megatron parameter {name} ({count} shard(s) of {list(shape)}) joins into "
+                                  f"{hf} of shape {list(tensor.shape)}; the architecture gives {list(want)}")
         plan[name] = _Planned(tuple(providers[name][i] for i in range(count)), shape, getattr(torch, dtype[6:]))
     return plan
-
-
-def _joined(rule: Rule, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    tensors = rule.transform.to_hf(shards)
-    for hf, want, tensor in zip(rule.hf, rule.shapes, tensors):
-        if tuple(tensor.shape) != want:
-            raise BridgeError(f"{rule.megatron} -> {hf}: gathered shape {tuple(tensor.shape)}, the architecture "
-                              f"gives {want}")
-    return [(hf, t.contiguous()) for hf, t in zip(rule.hf, tensors)]
 
 
 def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator[Bucket]:
@@ -157,7 +154,9 @@ def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator
                 dist.send(shards[name].tensor.detach().contiguous(), SOURCE)
         if rank != SOURCE:
             continue
-        for hf, tensor in _joined(rules[name], pieces):
+        rule = rules[name]
+        for hf, tensor in zip(rule.hf, rule.transform.to_hf(pieces)):
+            tensor = tensor.contiguous()
             if tensor.untyped_storage().data_ptr() in live:  # a view of a parameter (replicated weights)
                 tensor = tensor.clone()
             nbytes = tensor.numel() * tensor.element_size()
