@@ -55,6 +55,10 @@ def test_export_of_a_trained_model_gives_transformers_the_same_logits(reference:
     before = torch.load(reference / f"reference_{model}_logits.pt")
     assert float((trained - before).abs().max()) > 100 * ATOL, "the training step must change the logits"
     assert_logits_close(torch.load(reference / f"trained_{model}_hf_logits.pt"), trained, f"{model} export")
+    # the step started from the loaded weights (load_hf refreshed the optimizer's copies) and moved them by about lr
+    loaded, exported = checkpoint(reference / f"hf_{model}"), checkpoint(reference / f"trained_{model}")
+    moved = max(float((exported[n] - t).abs().max()) for n, t in loaded.items())
+    assert 0 < moved < 1e-4
 
 
 @pytest.mark.parametrize("model", list(MODELS))
