@@ -161,6 +161,9 @@ def test_unreadable_folders_are_named(tmp_path: Path) -> None:
                                                                                     "b": "one.safetensors"}}))
     with pytest.raises(BridgeError, match="lists b in one.safetensors, which does not hold it"):
         HFCheckpoint(indexed)
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["one.safetensors"]}))
+    with pytest.raises(BridgeError, match="weight_map must map tensor names to file names"):
+        HFCheckpoint(indexed)
 
 
 def test_qwen3_30b_a3b_table_has_every_tensor_of_its_checkpoint() -> None:
@@ -174,3 +177,12 @@ def test_qwen3_30b_a3b_table_has_every_tensor_of_its_checkpoint() -> None:
                     for hf, shape in zip(rule.hf, rule.shapes)]
         assert len(exported) == len({hf for hf, _ in exported}) == 18867
         assert sum(torch.Size(shape).numel() for _, shape in exported) == parameter_count(model).total
+
+
+def test_a_shard_cut_short_is_refused_when_opened(saved: dict[str, Path], tmp_path: Path) -> None:
+    """safetensors checks that the header covers the file, so a copy cut short fails before any weight is read."""
+    folder = rewrite(saved["moe"], tmp_path / "cut", lambda t: None)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-1000])
+    with pytest.raises(BridgeError, match="model.safetensors: cannot be read as safetensors"):
+        HFCheckpoint(folder)

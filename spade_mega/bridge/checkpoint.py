@@ -3,9 +3,9 @@
 ``save_hf`` is a collective (see :mod:`spade_mega.bridge.export`): rank 0 writes each bucket as one safetensors
 shard, then ``model.safetensors.index.json`` and ``config.json`` (:func:`spade_mega.megatron.providers.hf_config_dict`),
 into a hidden folder renamed into place at the end, so an interrupted save leaves no half checkpoint under the name.
-``load_hf`` reads only the tensors each rank needs (every rank opens the files; safetensors maps them, so a rank
-reads the bytes of its own shards' tensors), after checking on every rank, from the file headers alone, that the
-checkpoint has exactly the architecture's tensors with the right shapes.
+``load_hf`` reads on each rank only the tensors its own shards come from (whole tensors, cut in memory), after checking
+on every rank, from the file headers alone, that the checkpoint has exactly the architecture's tensors with the right
+shapes and a ``config.json`` (when there is one) of the same architecture.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from spade_mega.megatron.train import Trainer
 
 INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # config.json keys that must agree between a checkpoint and the model it is loaded into (shapes catch the rest)
 ARCHITECTURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -114,6 +113,8 @@ class HFCheckpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as exc:
                 raise BridgeError(f"{index}: not a safetensors index ({exc})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise BridgeError(f"{index}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -182,7 +183,7 @@ def load_hf(trainer: "Trainer", folder: str | Path, *, progress: Optional[Callab
     """Set the trainer's weights from the Hugging Face checkpoint in ``folder``: each rank takes its own shards.
     Every rank calls it; a mismatch raises :class:`BridgeError` on every rank before any weight changes. The
     optimizer's main copies are refreshed; its moments are untouched (start a run from it, not a resume).
-    ``progress(n)`` is called with the number of parameters of this rank set so far (after each one)."""
+    ``progress(1)`` is called after each parameter of this rank is set."""
     from spade_mega.megatron.providers import hf_config_dict
 
     rules = rules_of(trainer)
