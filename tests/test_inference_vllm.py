@@ -155,7 +155,7 @@ def vllm(model_folder, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
     engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(VLLM_PYTHON), max_model_len=MAX_MODEL_LEN,
-                               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "8"],
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "8", "--block-size", "32"],
                                startup_timeout_s=400, log_path=log, request_timeout_s=120)
     yield engine
     engine.close()
@@ -206,7 +206,9 @@ def test_vllm_stop_token_ends_the_completion_and_is_included(vllm):
 
 @pytest.mark.engine
 def test_vllm_weight_update_serves_exactly_the_new_weights(vllm, weights, model_folder):
-    greedy = [request(p, max_new_tokens=10, temperature=0.0) for p in PROMPTS]
+    # prompts of several KV blocks (32 tokens): the server caches their prefixes, which must not outlive the old
+    # weights (without the prefix-cache reset this test fails: checked)
+    greedy = [request(p * 6, max_new_tokens=10, temperature=0.0) for p in PROMPTS]
     before = vllm.generate(greedy)
     generator = torch.Generator().manual_seed(7)
     new = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}

