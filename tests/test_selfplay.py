@@ -267,11 +267,12 @@ def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) ->
 @pytest.mark.multiproc
 def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) -> None:
     """Under torchrun every rank builds the trainer and rank 0 alone plays: each rollout's samples reach both ranks
-    (the global batch is split between them) and the weights they train reach rank 0's engine."""
+    (the global batch is split between them) and the weights they train reach rank 0's engine. (The designer's
+    delay is 2, so its long samples are not trained here: they cost time and the single-process run has them.)"""
     isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "spade_mega.cli", "train", str(TINY), f"run.output_dir={tmp_path}", *E2E, *isolation,
-                           "selfplay.num_rollouts=2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           "selfplay.num_rollouts=2", "selfplay.designer_delay=2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "tiny_cpu"
@@ -279,7 +280,6 @@ def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) ->
     assert sorted(records) == [1, 2]
     for r in records.values():
         assert r["train/samples_agent"] == 4 and r["train/rollout_logprob_abs_diff_max"] < 1e-4
-    assert records[2]["train/samples_designer"] == 2
     store = CheckpointStore(run_dir)
     manifest = json.loads((store.latest() / "spade_checkpoint.json").read_text())
     assert manifest["world_size"] == 2 and manifest["layout"].endswith("DP2")
