@@ -174,7 +174,7 @@ def weight_table(model: ModelConfig, te: bool) -> list[Rule]:
     for layer in range(model.num_layers):
         rules += _layer_rules(model, te, layer)
     rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), ((model.hidden_size,),), Transform()))
-    # tied: the output layer (a stage of its own under pipeline parallelism) is a copy of the embedding
+    # tied: only a last pipeline stage other than the first holds an output layer, a copy of the embedding
     output = ("model.embed_tokens.weight",) if model.tie_embeddings else ("lm_head.weight",)
     rules.append(Rule("output_layer.weight", output, (embedding,), vocab, export=not model.tie_embeddings))
     return rules
