@@ -248,7 +248,8 @@ def test_weights_reach_the_engine(runs: tuple[Path, Path]) -> None:
 @pytest.mark.slow
 def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) -> None:
     """Everything but wall-clock figures is bitwise the same: samples, rewards, losses, gradient norms, the loop
-    state, the memory (its `proposals` counts aside); the crashed run's later records are set aside."""
+    state, the saved model and optimizer, the memory (its `proposals` counts aside); the crashed run's later records
+    are set aside."""
     straight, resumed = runs
     a, b = _records(straight), _records(resumed)
     assert sorted(b) == [1, 2, 3]
@@ -259,6 +260,19 @@ def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) ->
     last = [CheckpointStore(run).read_state(sorted(CheckpointStore(run).root.glob("step_*"))[-1])
             for run in (straight, resumed)]
     assert last[0] == last[1]
+    saved = [_checkpoint_tensors(sorted(CheckpointStore(run).root.glob("step_*"))[-1], tmp)
+             for run, tmp in ((straight, straight.parent / "a.pt"), (resumed, resumed.parent / "b.pt"))]
+    assert saved[0].keys() == saved[1].keys() and any(k.startswith("optimizer.state.exp_avg") for k in saved[0])
+    for key, value in saved[0].items():
+        assert torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor) else value == saved[1][key], key
+
+
+def _checkpoint_tensors(checkpoint: Path, out: Path) -> dict:
+    """Every tensor of a checkpoint (model and optimizer state), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
     assert [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(straight)] == \
         [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(resumed)]
 
