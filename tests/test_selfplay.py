@@ -156,11 +156,24 @@ E2E = ["selfplay.num_rollouts=3", "selfplay.regen_interval=2", "selfplay.designe
 TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s")
 
 
-def _train(out: Path, *, signal_after: str | None = None) -> str:
+# A Hugging Face checkpoint of the tiny model whose final norm is 3.0 everywhere (initialised at 1.0): a run started
+# from it shows it in its checkpoints, since training moves a weight by about lr (0.01) per step.
+HF_START = """
+import sys
+from spade_mega.bridge import save_hf
+from spade_mega.config.loader import load_config
+from spade_mega.megatron import Trainer
+trainer = Trainer(load_config(sys.argv[1], ["run.seed=7"]))
+trainer.model[0].module.decoder.final_layernorm.weight.data.fill_(3.0)
+save_hf(trainer, sys.argv[2])
+"""
+
+
+def _train(out: Path, *extra: str, signal_after: str | None = None) -> str:
     """Run `spade-mega train` to its end; with ``signal_after``, send it SIGUSR1 once that text is logged. Its
     standard output."""
     isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
-    proc = subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation],
+    proc = subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     early = []
     if signal_after is not None:
@@ -190,11 +203,13 @@ def _memory(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Run A: three rollouts straight. Run B: a copy of A's directory as if the job died after the checkpoint of
+    """Run A: three rollouts straight, from a Hugging Face checkpoint. Run B: a copy of A's directory as if the job died after the checkpoint of
     rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2 and 3 left behind), resumed
     and stopped by SIGUSR1 (SLURM's time-limit warning) during rollout 2, then resumed again."""
     base = tmp_path_factory.mktemp("selfplay")
-    _train(base / "a")
+    subprocess.run([sys.executable, "-c", HF_START, str(TINY), str(base / "hf")], check=True, capture_output=True,
+                   timeout=300, cwd=ROOT)
+    _train(base / "a", f"inference.hf_weights={base / 'hf'}")
     straight = base / "a" / "tiny_cpu"
     resumed = base / "b" / "tiny_cpu"
     shutil.copytree(straight, resumed)
@@ -202,10 +217,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for ckpt in sorted(store.root.glob("step_*")):
         if store.read_state(ckpt).rollout > 1:
             shutil.rmtree(ckpt)
-    stdout = _train(base / "b", signal_after="resumed from")
+    stdout = _train(base / "b", f"inference.hf_weights={base / 'hf'}", signal_after="resumed from")
     assert "stopped on SIGUSR1 after 2 rollouts" in stdout and "resumed at rollout 1" in stdout
     assert [store.read_state(ckpt).rollout for ckpt in sorted(store.root.glob("step_*"))] == [1, 2]
-    assert "resumed at rollout 2" in _train(base / "b")
+    assert "resumed at rollout 2" in _train(base / "b", f"inference.hf_weights={base / 'hf'}")
     return straight, resumed
 
 
@@ -225,6 +240,14 @@ def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs:
     states = [store.read_state(ckpt) for ckpt in sorted(store.root.glob("step_*"))]
     assert [s.rollout for s in states] == [1, 2, 3]
     assert len(states[-1].environments) == 2 and states[-1].buffer["pending"]  # rollout 3's designer samples wait
+
+
+@pytest.mark.slow
+def test_a_new_run_starts_from_the_hugging_face_weights_the_engine_serves(runs: tuple[Path, Path]) -> None:
+    """inference.hf_weights starts the trainer too (else the first sync would hand the engine random weights)."""
+    store = CheckpointStore(runs[0])
+    norm = _checkpoint_tensors(store.latest(), runs[0].parent / "norm.pt")["decoder.final_layernorm.weight"]
+    assert (norm - 3.0).abs().max() < 0.5, norm
 
 
 @pytest.mark.slow

@@ -398,7 +398,7 @@ class SelfPlay:
 
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
              state: Optional[LoopState], stop: _StopSignal) -> RunSummary:
-        from spade_mega.bridge import sync_weights
+        from spade_mega.bridge import load_hf, sync_weights
 
         cfg = self.cfg
         start = 0
@@ -408,7 +408,12 @@ class SelfPlay:
             if actor is not None:
                 actor.restore(state)
             log.info("resumed from %s (rollout %d, optimizer step %d)", checkpoint, start, trainer.step)
-        elif actor is not None:  # an attempt of this run that never saved: it starts over, so does its memory
+        elif cfg.inference.hf_weights is not None:
+            # a new run starts the trainer from the weights the engine serves (the first sync would otherwise
+            # replace them with the trainer's random initialisation); a resumed run takes its checkpoint's
+            load_hf(trainer, cfg.inference.hf_weights)
+            log.info("initial weights from %s", cfg.inference.hf_weights)
+        if checkpoint is None and actor is not None:  # an attempt that never saved starts over, so does its memory
             discarded = actor.memory.discard_after(0)
             if any(discarded.values()):
                 log.warning("memory %s: discarded %d environment(s) and %d evaluation(s) of an earlier attempt of "
