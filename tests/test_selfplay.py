@@ -203,9 +203,10 @@ def _memory(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Run A: three rollouts straight, from a Hugging Face checkpoint. Run B: a copy of A's directory as if the job died after the checkpoint of
-    rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2 and 3 left behind), resumed
-    and stopped by SIGUSR1 (SLURM's time-limit warning) during rollout 2, then resumed again."""
+    """Run A: three rollouts straight, from a Hugging Face checkpoint. Run B: a copy of A's directory as if the job
+    died after the checkpoint of rollout 1 (its later checkpoints gone, but the memory rows and metrics of rollouts 2
+    and 3 left behind), resumed and stopped by SIGUSR1 (SLURM's time-limit warning) during rollout 2, then resumed
+    again."""
     base = tmp_path_factory.mktemp("selfplay")
     subprocess.run([sys.executable, "-c", HF_START, str(TINY), str(base / "hf")], check=True, capture_output=True,
                    timeout=300, cwd=ROOT)
@@ -309,8 +310,8 @@ def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) ->
     isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "spade_mega.cli", "train", str(TINY), f"run.output_dir={tmp_path}", *E2E, *isolation,
-                           "selfplay.num_rollouts=2", "selfplay.designer_delay=2"], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "selfplay.num_rollouts=2", "selfplay.designer_delay=2"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "tiny_cpu"
     records = _records(run_dir)
