@@ -61,7 +61,7 @@ class SGLangEngine(ServerEngine):
 
     def _reload(self, server: Server, folder: Any, version: int) -> None:
         reply = server.request("POST", "/update_weights_from_disk",
-                               {"model_path": str(folder), "weight_version": str(version), "flush_cache": True},
+                               {"model_path": str(folder), "weight_version": str(version)},
                                timeout_s=self.request_timeout_s)
         if not (isinstance(reply, dict) and reply.get("success")):
             message = reply.get("message") if isinstance(reply, dict) else reply
