@@ -208,8 +208,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     and 3 left behind), resumed and stopped by SIGUSR1 (SLURM's time-limit warning) during rollout 2, then resumed
     again."""
     base = tmp_path_factory.mktemp("selfplay")
-    subprocess.run([sys.executable, "-c", HF_START, str(TINY), str(base / "hf")], check=True, capture_output=True,
-                   timeout=300, cwd=ROOT)
+    made = subprocess.run([sys.executable, "-c", HF_START, str(TINY), str(base / "hf")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert made.returncode == 0, made.stderr[-4000:]
     _train(base / "a", f"inference.hf_weights={base / 'hf'}")
     straight = base / "a" / "tiny_cpu"
     resumed = base / "b" / "tiny_cpu"
