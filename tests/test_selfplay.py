@@ -21,7 +21,8 @@ from spade_mega.config.loader import load_config
 from spade_mega.config.schema import KernelsConfig, RLConfig
 from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.envs import library
-from spade_mega.selfplay import ActiveEnv, CheckpointStore, LoopState, ResumeError, SelfPlay, derive_seed
+from spade_mega.selfplay.loop import SelfPlay
+from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
 
 ROOT = Path(__file__).resolve().parents[1]

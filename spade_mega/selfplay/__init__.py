@@ -1,7 +1,8 @@
 """The SPADE self-play loop: environment regeneration, agent plays, delayed designer rewards, GRPO steps, weight sync,
-and checkpoints that resume exactly. ``spade-mega train CONFIG`` runs it; :func:`run` is the same from Python."""
+and checkpoints that resume exactly. ``spade-mega train CONFIG`` runs it; from Python,
+``spade_mega.selfplay.loop.run(cfg)`` on every rank. ``state.py`` holds what a checkpoint saves besides the trainer's,
+``batch.py`` how a rollout becomes optimizer steps.
 
-from spade_mega.selfplay.loop import RunSummary, SelfPlay, run
-from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
-
-__all__ = ["ActiveEnv", "CheckpointStore", "LoopState", "ResumeError", "RunSummary", "SelfPlay", "derive_seed", "run"]
+Nothing is imported here: the ``spade-mega`` command imports ``selfplay.commands`` for every subcommand, and the loop
+pulls in torch and Megatron-Core.
+"""
