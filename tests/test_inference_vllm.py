@@ -155,7 +155,7 @@ def vllm(model_folder, tmp_path_factory):
 
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
     engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(VLLM_PYTHON), max_model_len=MAX_MODEL_LEN,
-                               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "8", "--block-size", "32"],
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "16", "--block-size", "32", "--max-num-batched-tokens", "512"],
                                startup_timeout_s=400, log_path=log, request_timeout_s=120)
     yield engine
     engine.close()
@@ -191,6 +191,17 @@ def test_vllm_greedy_repeats_and_seeds_reproduce(vllm):
     first, second, again = vllm.generate(seeded)
     assert first.output_ids == again.output_ids and first.logprobs == again.logprobs
     assert first.output_ids != second.output_ids
+
+
+@pytest.mark.engine
+def test_vllm_seeded_batch_over_the_token_budget(vllm):
+    """Ten seeded 250-token prompts overrun one step's token budget (512 here): with chunked prefill the third is
+    prefilled in part, and vllm-cpu's sampler then crashes the server (CPU generators have no offset; checked). The
+    engine starts vllm-cpu without chunked prefill; the batch completes and reproduces."""
+    reqs = [GenerationRequest(tuple(TOK.encode(PROMPTS[i % 3] * 21))[:250],
+                              SamplingParams(max_new_tokens=4, temperature=1.0, seed=i)) for i in range(10)]
+    first = vllm.generate(reqs)
+    assert [g.output_ids for g in first] == [g.output_ids for g in vllm.generate(reqs)]
 
 
 @pytest.mark.engine

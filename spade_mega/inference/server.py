@@ -173,8 +173,9 @@ class Server:
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as reply:
                 raw = reply.read()
-        except urllib.error.HTTPError as exc:
-            raise HTTPStatusError(exc.code, _error_message(exc.read())) from None
+        except urllib.error.HTTPError as exc:  # a 5xx is the server's own failure: its log says why
+            tail = self.log_tail() if exc.code >= 500 else ""
+            raise HTTPStatusError(exc.code, _error_message(exc.read()) + tail) from None
         except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
             reason = getattr(exc, "reason", exc)
             state = ""

