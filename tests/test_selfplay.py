@@ -153,6 +153,9 @@ E2E = ["selfplay.num_rollouts=3", "selfplay.regen_interval=2", "selfplay.designe
        "rollout.max_response_tokens=16", "rollout.max_designer_tokens=48", "curriculum.corpus.token_budget=64",
        "rewards.invalid_program_penalty=-0.5", "optimizer.lr=0.01", "logging.tensorboard=false",
        "logging.progress=false"]
+# one torch thread per process, as the Megatron tests run: two threads on this shared 2-core machine made the first
+# rollout 3x slower (72 s against 20 s), and the trainer's numerics must not depend on a changing thread count
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 # what legitimately differs between two runs of the same rollouts: wall-clock times and throughputs
 TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s")
 
@@ -175,7 +178,7 @@ def _train(out: Path, *extra: str, signal_after: str | None = None) -> str:
     standard output."""
     isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
     proc = subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={out}", *E2E, *isolation, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ONE_THREAD)
     early = []
     if signal_after is not None:
         assert proc.stderr is not None
@@ -210,7 +213,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     again."""
     base = tmp_path_factory.mktemp("selfplay")
     made = subprocess.run([sys.executable, "-c", HF_START, str(TINY), str(base / "hf")], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+                          text=True, timeout=300, cwd=ROOT, env=ONE_THREAD)
     assert made.returncode == 0, made.stderr[-4000:]
     _train(base / "a", f"inference.hf_weights={base / 'hf'}")
     straight = base / "a" / "tiny_cpu"
@@ -313,7 +316,7 @@ def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) ->
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "spade_mega.cli", "train", str(TINY), f"run.output_dir={tmp_path}", *E2E, *isolation,
                            "selfplay.num_rollouts=2", "selfplay.designer_delay=2"], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=600, cwd=ROOT, env=ONE_THREAD)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "tiny_cpu"
     records = _records(run_dir)
