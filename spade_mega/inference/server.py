@@ -350,7 +350,8 @@ class ServerEngine(ABC):
             return cls.attach(urls, Path(inf.hf_weights), **common)
         model_dir = Path(inf.hf_weights) if inf.hf_weights else write_model_folder(
             Path(cfg.run.output_dir) / cfg.run.name / "engine-model", cfg.model, tokenizer, seed=cfg.run.seed)
-        return cls.launch(model_dir, python=inf.server_python, tensor_parallel=inf.tensor_parallel, dtype=inf.dtype,
+        dtype = cfg.model.params_dtype if inf.dtype == "auto" else inf.dtype  # what the trainer computes in
+        return cls.launch(model_dir, python=inf.server_python, tensor_parallel=inf.tensor_parallel, dtype=dtype,
                           max_model_len=cfg.rollout.max_context_tokens, server_args=inf.server_args,
                           log_path=Path(cfg.run.output_dir) / cfg.run.name / f"{cls.name.lower()}-server.log",
                           **common)
