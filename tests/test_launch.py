@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -139,6 +140,20 @@ def test_engine_servers_need_weights_and_a_shared_sync_folder(overrides: list[st
     assert config_error(*overrides).path == key
 
 
+@pytest.mark.parametrize("overrides,key,words", [
+    (["launch.master_port=30000"], "launch.master_port", "30000"),  # the colocated server's port on node 0
+    (["launch.engine_port=25000"], "launch.engine_port", "20000-29999"),  # the default master port's range
+    (["launch.engine_port=65534", "launch.engine_gpus=2"], "launch.engine_port", "65537"),  # 4 servers
+])
+def test_engine_ports_must_not_collide_with_the_rendezvous(overrides: list[str], key: str, words: str) -> None:
+    """Servers colocated with global rank 0 bind their ports on the node where torchrun binds the rendezvous port:
+    a job whose ports collide would fail at start (or, on the default port's range, for some job ids only)."""
+    error = config_error(*overrides)
+    assert error.path == key and words in error.message
+    separate = ["launch.engine_placement=separate", "launch.engine_nodes=1", "inference.weight_sync_dir=/s"]
+    assert plan_launch(recipe("launch.master_port=30000", *separate)).engines.first_node == 1  # other nodes: fine
+
+
 def test_minimal_world_size_is_the_smallest_world_both_grids_tile() -> None:
     assert minimal_world_size(recipe()) == 8  # TP4 and ETP1 x EP8
     assert minimal_world_size(recipe("parallel.expert_tensor=2")) == 16
@@ -228,6 +243,57 @@ def test_separate_engines_get_their_own_nodes() -> None:
     assert "--servers 4 --gpus-per-server 2" in engine and "--max-num-seqs 512" in engine
     assert train.startswith("--nodes=1 --ntasks=1")  # not --overlap: the trainer's node is its own
     assert "--engines 1:2:4:30000" in train
+
+
+def test_directive_values_with_spaces_or_hashes_stay_one_option() -> None:
+    """sbatch splits an #SBATCH line at blanks and drops what follows an unquoted '#' (as a comment)."""
+    script = render("run.name='my run'", "launch.workdir='/scratch/my dir'", "launch.log_dir='my logs'",
+                    "launch.sbatch_extra=['--comment=run #3']")
+    options = [shlex.split(line[len("#SBATCH "):]) for line in script.splitlines() if line.startswith("#SBATCH ")]
+    assert all(len(option) == 1 for option in options), options
+    found = [option[0] for option in options]
+    for option in ("--job-name=my run", "--chdir=/scratch/my dir", "--output=my logs/%x-%j.out", "--comment=run #3"):
+        assert option in found
+    assert "LOG_DIR='my logs'\n" in script
+
+
+@pytest.mark.parametrize("override,key", [
+    ('launch.workdir="/scratch\\ntouch pwned"', "launch.workdir"),
+    ('launch.log_dir="logs\\ntouch pwned"', "launch.log_dir"),
+    ('run.name="spade\\ntouch pwned"', "run.name"),
+    ("launch.log_dir='logs-%j'", "launch.log_dir"),  # sbatch expands it in --output, the script's LOG_DIR does not
+])
+def test_directive_values_that_would_break_the_script_are_refused(override: str, key: str) -> None:
+    """A newline would end the #SBATCH line: the rest would run as a shell command, before any directive after it
+    (--output, --requeue, --signal) was read."""
+    cfg = recipe(override)
+    with pytest.raises(ConfigError) as info:
+        render_sbatch(cfg, RECIPE)
+    assert info.value.path == key
+
+
+def test_program_words_are_quoted_even_when_they_look_like_shell_expansions(tmp_path: Path) -> None:
+    """Only the script's own "$CONFIG" is left to the shell: a server argument like '"$(...)' is one quoted word."""
+    script = render('inference.server_args=[\'"$(touch pwned)\']')
+    target = tmp_path / "job.sbatch"
+    target.write_text(script)
+    result = subprocess.run(["bash", "-n", str(target)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    engine = script.split('"${SRUN[@]}" ')[1].split("ENGINE_PID=$!")[0]
+    assert shlex.split(engine.replace("\\\n", " "))[-2] == '"$(touch pwned)'
+
+
+def test_setup_lines_run_without_set_u(tmp_path: Path) -> None:
+    """Activation scripts (conda's, some module systems') read unset variables: under the script's set -u they would
+    end the job before it starts."""
+    (tmp_path / "activate.sh").write_text('export ACTIVATED="${UNSET_BY_EVERYONE_R4}x"\n')
+    script = render("launch.setup=['source activate.sh', 'exit 7']")
+    (tmp_path / "job.sbatch").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env={**env, "SLURM_JOB_ID": "1"},
+                            capture_output=True, text=True)
+    assert result.returncode == 7, result.stderr
+    assert script.index("set +u") < script.index("source activate.sh") < script.index("set -u\n")
 
 
 def test_in_process_engine_starts_no_servers() -> None:
@@ -424,6 +490,8 @@ def test_launch_local_refuses_a_process_count_the_layout_does_not_fit() -> None:
     cfg = load_config(ROOT / TINY, ["parallel.tensor=2", "model.num_experts=0"])
     with pytest.raises(ConfigError, match="launch local runs 3 processes; the layout needs a multiple of 2"):
         local_command(cfg, TINY, [], nproc=3)
+    with pytest.raises(ConfigError, match="must be >= 1, got 0"):
+        local_command(cfg, TINY, [], nproc=0)
 
 
 # srun and scontrol cannot run here: these stand-ins do what they do for a one-node job. srun drops its step options,

@@ -21,7 +21,7 @@ def local_command(cfg: SpadeConfig, config_path: str, overrides: Sequence[str], 
                   script: Optional[str] = None) -> list[str]:
     """torchrun for ``nproc`` ranks (default: the layout's minimum) running the trainer, or ``script`` instead;
     either gets the config file and the overrides as its arguments. The layout is checked first."""
-    nproc = nproc or minimal_world_size(cfg)
+    nproc = minimal_world_size(cfg) if nproc is None else nproc
     if nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {nproc}")
     try:

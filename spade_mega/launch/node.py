@@ -112,10 +112,13 @@ def _int_var(environ: Mapping[str, str], name: str) -> int:
     return int(value)
 
 
+DEFAULT_MASTER_PORTS = range(20000, 30000)  # where default_master_port falls; the launch plan keeps servers out
+
+
 def default_master_port(environ: Mapping[str, str]) -> int:
     """20000 + job id % 10000: the same on every node of a job, different for jobs that share a node, and below the
     engine servers' ports (launch.engine_port, 30000 by default)."""
-    return 20000 + _int_var(environ, "SLURM_JOB_ID") % 10000
+    return DEFAULT_MASTER_PORTS.start + _int_var(environ, "SLURM_JOB_ID") % len(DEFAULT_MASTER_PORTS)
 
 
 def node_wiring(environ: Mapping[str, str], master_port: Optional[int] = None) -> NodeWiring:

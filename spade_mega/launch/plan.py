@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.config.schema import SpadeConfig
+from spade_mega.config.schema import LaunchConfig, SpadeConfig
+from spade_mega.launch.node import DEFAULT_MASTER_PORTS
 from spade_mega.megatron.parallel import ParallelLayout, resolve_layout
 
 
@@ -86,6 +87,25 @@ def server_command(cfg: SpadeConfig, gpus: int, colocated: bool) -> tuple[str, .
     return tuple((["env", *env] if env else []) + argv)
 
 
+def _check_engine_ports(launch: LaunchConfig, servers_per_node: int, colocated: bool) -> None:
+    """A node's servers take ``engine_port`` and the next ones; colocated, they share node 0 with the rendezvous
+    port torchrun binds there, so the two must not meet (on the default range, only some job ids would fail)."""
+    ports = range(launch.engine_port, launch.engine_port + servers_per_node)
+    if ports[-1] > 65535:
+        raise ConfigError("launch.engine_port", f"{servers_per_node} servers a node from {launch.engine_port} would "
+                                                f"need ports up to {ports[-1]}, past 65535")
+    if not colocated:
+        return
+    if launch.master_port is not None and launch.master_port in ports:
+        raise ConfigError("launch.master_port", f"{launch.master_port} is an engine server's port on the first node "
+                                                f"(launch.engine_port {ports[0]}..{ports[-1]}): pick another")
+    if launch.master_port is None and ports[0] < DEFAULT_MASTER_PORTS.stop and ports[-1] >= DEFAULT_MASTER_PORTS.start:
+        default = f"{DEFAULT_MASTER_PORTS.start}-{DEFAULT_MASTER_PORTS.stop - 1}"
+        raise ConfigError("launch.engine_port", f"servers on ports {ports[0]}..{ports[-1]} meet the rendezvous ports "
+                                                f"{default} taken when launch.master_port is unset: use ports "
+                                                "outside them, or set launch.master_port")
+
+
 def plan_launch(cfg: SpadeConfig) -> LaunchPlan:
     """Place the trainer and the engines of ``cfg`` on the job's nodes; ConfigError naming the key if they don't fit."""
     launch = cfg.launch
@@ -108,6 +128,7 @@ def plan_launch(cfg: SpadeConfig) -> LaunchPlan:
                                                            "weight update from it (the default, /dev/shm, is per node)")
         gpus = launch.engine_gpus or launch.gpus_per_node
         colocated = placement == "colocated"
+        _check_engine_ports(launch, launch.gpus_per_node // gpus, colocated)
         engines = EnginePlan(engine=cfg.rollout.engine, placement=placement,
                              first_node=0 if colocated else launch.nodes,
                              nodes=launch.nodes if colocated else launch.engine_nodes,

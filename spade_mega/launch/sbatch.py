@@ -25,8 +25,23 @@ CONFIG_DELIMITER = "SPADE_MEGA_RESOLVED_CONFIG"
 TRAIN_PROGRAM = ("-m", "spade_mega.cli", "train")  # run by every rank; global rank 0 owns the rollout
 
 
+class _Shell(str):
+    """A word of the script's own that the shell must expand (``"$CONFIG"``); every other word is quoted."""
+
+
+CONFIG_WORD = _Shell('"$CONFIG"')
+
+
 def _q(text: str) -> str:
     return shlex.quote(text)
+
+
+def _directive_value(key: str, value: str) -> str:
+    """A config value going into an #SBATCH line: one line (a newline would end the directive block and run the rest
+    as a command), quoted there by the caller."""
+    if "\n" in value or "\r" in value:
+        raise ConfigError(key, f"must be one line: it goes into an #SBATCH directive, got {value!r}")
+    return value
 
 
 def _n(count: int, noun: str) -> str:
@@ -46,33 +61,40 @@ def _wrap(words: Sequence[str], width: int = 100) -> list[str]:
 
 def _command(argv: Sequence[str], indent: str = "  ") -> str:
     """A command over several lines: our own arguments, then the program after ``--`` on lines of its own."""
-    words = [a if a.startswith('"$') else _q(a) for a in argv]
+    words = [a if isinstance(a, _Shell) else _q(a) for a in argv]
     lines = _wrap(words[:words.index("--") + 1]) + _wrap(words[words.index("--") + 1:]) if "--" in words \
         else _wrap(words)
     return f" \\\n{indent}".join(lines)
 
 
 def _directives(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
+    """The #SBATCH options, each quoted as one word (sbatch splits the line at blanks and an unquoted '#' starts a
+    comment there)."""
     launch = cfg.launch
+    job_name = _directive_value("launch.job_name" if launch.job_name else "run.name", plan.job_name)
+    log_dir = _directive_value("launch.log_dir", launch.log_dir)
+    if "%" in log_dir:
+        raise ConfigError("launch.log_dir", f"must not contain '%': sbatch expands it in the job's --output file, "
+                                            f"the script's own files would go elsewhere, got {log_dir!r}")
     tasks = launch.gpus_per_node if launch.launcher == "srun" else 1
-    out = [f"--job-name={plan.job_name}", f"--nodes={plan.total_nodes}", f"--ntasks-per-node={tasks}",
+    out = [f"--job-name={job_name}", f"--nodes={plan.total_nodes}", f"--ntasks-per-node={tasks}",
            f"--gpus-per-node={launch.gpus_per_node}", f"--time={launch.time}"]
     out += [f"--cpus-per-task={launch.cpus_per_task}"] if launch.cpus_per_task else []
     out += [f"--{name}={getattr(launch, name)}" for name in ("partition", "account", "qos") if getattr(launch, name)]
-    out += [f"--chdir={launch.workdir}"] if launch.workdir else []
-    out += [f"--output={launch.log_dir}/%x-%j.out", "--open-mode=append"]
+    out += [f"--chdir={_directive_value('launch.workdir', launch.workdir)}"] if launch.workdir else []
+    out += [f"--output={log_dir}/%x-%j.out", "--open-mode=append"]
     out += ["--requeue", f"--signal=B:USR1@{launch.signal_before_s}"] if launch.requeue else ["--no-requeue"]
-    return out + list(launch.sbatch_extra)
+    return [_q(option) for option in out + list(launch.sbatch_extra)]
 
 
 def _srun_prefix(cfg: SpadeConfig) -> str:
     launch = cfg.launch
     words = ["srun", "--kill-on-bad-exit=1"]
     if launch.container_image:
-        words += [f"--container-image={launch.container_image}", '--container-workdir="$PWD"']
+        words += [f"--container-image={launch.container_image}", _Shell('--container-workdir="$PWD"')]
         if launch.container_mounts:
             words.append(f"--container-mounts={','.join(launch.container_mounts)}")
-    return " ".join(w if w.startswith("--container-workdir") else _q(w) for w in words)
+    return " ".join(w if isinstance(w, _Shell) else _q(w) for w in words)
 
 
 def _engine_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
@@ -103,7 +125,7 @@ def _train_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
     if e is not None:
         argv += ["--engines", f"{e.first_node}:{e.nodes}:{e.servers_per_node}:{e.port}",
                  "--engine-timeout", str(launch.engine_start_timeout_s)]
-    argv += ["--", *TRAIN_PROGRAM, '"$CONFIG"']
+    argv += ["--", *TRAIN_PROGRAM, CONFIG_WORD]
     step = (["--overlap"] if e is not None and e.placement == "colocated" else []) + [
         f"--nodes={plan.train_nodes}", f"--ntasks={plan.train_nodes * per_node}", f"--ntasks-per-node={per_node}",
         "--relative=0"]
@@ -169,8 +191,9 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
     ]
     if launch.setup or launch.env:
         lines.append("# Environment (launch.setup, launch.env)")
-        lines += list(launch.setup)
-        lines += [f"export {key}={_q(value)}" for key, value in launch.env.items()]
+    if launch.setup:  # without set -u: activation scripts (conda's, some module systems') read unset variables
+        lines += ["set +u", *launch.setup, "set -u"]
+    lines += [f"export {key}={_q(value)}" for key, value in launch.env.items()]
     lines += [
         "export PYTHONUNBUFFERED=1",
         "",
