@@ -315,3 +315,22 @@ def test_turns_append_the_template_text_once_and_guard_observations(template):
         assert decode(tok, ids) == expected
         for control in ("<|im_end|>", "<|im_start|>"):  # each is one control token; the forged ones are text
             assert ids.count(tok.convert_tokens_to_ids(control)) == expected.count(control)
+
+
+def test_context_limit_must_fit_the_model_and_the_trainers_rows(engine, pool, tokenizer):
+    """Every sequence a rollout makes holds up to rollout.max_context_tokens tokens: a limit the model's positions or
+    the trainer's micro-batch rows cannot hold is refused when the run is configured, not by the engine or the packer
+    at the first long sample (the tiny model's 4096 positions refused a 3.3k-token designer prompt + 2000 tokens)."""
+    with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(4096\)") as error:
+        config("rollout.max_context_tokens=8192")
+    assert error.value.path == "rollout.max_context_tokens"
+    assert load_config().rollout.max_context_tokens == 32768  # the defaults are consistent
+
+    rows = config("parallel.max_tokens_per_gpu=2048")  # the trainer refuses a sample longer than a row
+    with pytest.raises(ConfigError, match=r"rollout.max_context_tokens \(4096\)") as error:
+        Rollout(rows, engine, pool, PromptBuilder.from_config(rows, tokenizer))
+    assert error.value.path == "parallel.max_tokens_per_gpu"
+    recipes = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+    for path in recipes:  # every example's samples fit its trainer's rows
+        cfg = load_config(path, ["rollout.engine=hf", "launch.engine_placement=auto"])
+        Rollout(cfg, engine, pool, PromptBuilder.from_config(cfg, tokenizer))

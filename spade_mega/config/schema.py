@@ -43,7 +43,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 32
     moe_aux_loss_coeff: float = 1e-3
     vocab_size: int = 512
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 40960  # Qwen3's; holds rollout.max_context_tokens (checked)
     rotary_base: float = 1_000_000.0
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = True
@@ -628,6 +628,10 @@ class SpadeConfig:
         if m.num_experts and p.tensor > 1:
             _require(p.sequence_parallel, "parallel.sequence_parallel",
                      "must be true when a mixture-of-experts model uses parallel.tensor > 1 (Megatron-Core requires it)")
+        if m.hf_config is None:  # with a config.json, its value wins (the engine refuses a request past it)
+            _require(self.rollout.max_context_tokens <= m.max_position_embeddings, "rollout.max_context_tokens",
+                     f"must be <= model.max_position_embeddings ({m.max_position_embeddings}): every episode and "
+                     f"designer sample grows up to it; got {self.rollout.max_context_tokens}")
         r = self.rewards
         if r.variant == "regret" or (r.variant == "blend" and r.regret_weight > 0):
             _require(self.rollout.hint_plays_per_env > 0, "rollout.hint_plays_per_env",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.curriculum.prompts import PromptBuilder
 from spade_mega.envs.sandbox import SandboxPool
@@ -24,6 +25,7 @@ class Rollout:
 
     def __init__(self, cfg: SpadeConfig, engine: Engine, pool: SandboxPool, builder: PromptBuilder,
                  solvability: Optional[SolvabilityCheck] = None) -> None:
+        _check_rows(cfg)
         self.cfg, self.engine, self.pool = cfg, engine, pool
         self.chat = ChatTurns(builder)
         self.validator = Validator(pool, cfg.validation, solvability=solvability, rollout_turns=cfg.rollout.max_turns)
@@ -40,3 +42,17 @@ class Rollout:
 
     def play(self, plays: Sequence[AgentPlay], progress: Optional[RunProgress] = None) -> AgentBatch:
         return play_episodes(self.engine, self.chat, self.pool, self.cfg, plays, progress)
+
+
+def _check_rows(cfg: SpadeConfig) -> None:
+    """Every sequence of a rollout (an episode, a designer sample) grows up to ``rollout.max_context_tokens``, and the
+    trainer packs each whole into one micro-batch row (``parallel.max_tokens_per_gpu``, rounded down to a multiple of
+    TP under sequence parallelism), refusing a longer one: say so before any rollout, not at the first long sample."""
+    p, context = cfg.parallel, cfg.rollout.max_context_tokens
+    row = p.max_tokens_per_gpu // p.tensor * p.tensor if p.sequence_parallel else p.max_tokens_per_gpu
+    if context > row:
+        raise ConfigError("parallel.max_tokens_per_gpu",
+                          f"a micro-batch row holds {row} tokens, but rollout samples grow up to "
+                          f"rollout.max_context_tokens ({context}); raise parallel.max_tokens_per_gpu to at least "
+                          f"{context} (under sequence parallelism each of the TP ranks holds 1/TP of a row) or lower "
+                          "rollout.max_context_tokens")
