@@ -5,6 +5,7 @@ seeds must reproduce, batching must not change results, and a weight update must
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 from spade_mega.config.loader import load_config
 from spade_mega.inference import Engine, EngineError, GenerationRequest, SamplingParams, build_engine
-from spade_mega.inference.hf import HFEngine, build_hf_model
+from spade_mega.inference.hf import HFEngine, build_hf_model, sample_tokens
 from spade_mega.tokenizer import byte_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
@@ -86,6 +87,42 @@ def test_a_tiny_nucleus_samples_the_most_likely_token_but_reports_the_untruncate
     expected, _ = full_forward_logprobs(engine.model, tiny, 0.5)
     torch.testing.assert_close(torch.tensor(tiny.logprobs), expected, atol=1e-5, rtol=0)
     assert max(tiny.logprobs) < 0  # the log-prob before truncation, not log(1) of the one-token nucleus
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9999])
+def test_the_tail_of_a_qwen3_sized_vocabulary_is_sampled_at_its_probability(top_p):
+    """One likely token and 151,935 tokens of probability ~1e-9 each (1.5e-4 together). In float32 the running mass
+    stops growing at ~0.99985 (each tail token is below its rounding step), so the tail was never drawn where it
+    should be although the reported log-probs say it can be: each draw must match a float64 inverse CDF."""
+    vocab = 151_936
+    logits = -20.0 - 1e-5 * torch.arange(vocab, dtype=torch.float32)[None]  # decreasing: sorted order = id order
+    logits[0, 0] = 0.0
+    p = torch.softmax(logits.double(), -1)[0]
+    tail = 1 - p[0].item()
+    assert 1e-4 < tail < 2e-4
+    nucleus = p * (p.cumsum(0) - p < top_p)
+    for u in (1 - tail / 2, 1 - tail / 4, 1 - tail / 100, 1 - 2 * tail, 0.0):
+        token, logprob = sample_tokens(logits, torch.ones(1), torch.tensor([top_p]),
+                                       torch.tensor([u], dtype=torch.float64))
+        want = int(torch.searchsorted(nucleus.cumsum(0), u * nucleus.sum(), right=True))
+        assert abs(token.item() - want) <= 100, (u, token.item(), want)
+        assert logprob.item() == pytest.approx(math.log(p[token.item()].item()), abs=1e-4)
+
+
+def test_nan_or_infinite_logits_are_an_engine_error_not_a_crash(cfg):
+    """Diverged weights (or a bf16 overflow) give NaN / +inf logits: the engine says so instead of failing on an
+    index deep in the sampler."""
+    engine = make_engine(cfg.model)
+    weights = saved_weights(engine.model)
+    weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
+    engine.update_weights([weights], version=3)
+    for temperature in (1.0, 0.0):
+        with pytest.raises(EngineError, match=r"NaN or \+inf .*\(weight version 3\)"):
+            engine.generate([request("diverged", max_new_tokens=4, temperature=temperature, seed=0)])
+    logits = torch.zeros(2, 8)
+    logits[1, 3] = float("inf")
+    with pytest.raises(EngineError, match=r"NaN or \+inf"):
+        sample_tokens(logits, torch.ones(2), torch.ones(2), torch.full((2,), 0.5, dtype=torch.float64))
 
 
 def test_same_seed_same_completion_other_seed_other_completion(engine):

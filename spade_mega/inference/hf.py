@@ -233,8 +233,12 @@ class HFEngine:
         finish: list[str] = ["length"] * n
         live = list(range(n))  # request index of each row still in the batch
         while True:
-            uniforms = torch.stack([torch.rand((), generator=generators[i], device=device) for i in live])
-            tokens, chosen = sample_tokens(logits, temperature, top_p, uniforms)
+            uniforms = torch.stack([torch.rand((), generator=generators[i], device=device, dtype=torch.float64)
+                                    for i in live])
+            try:
+                tokens, chosen = sample_tokens(logits, temperature, top_p, uniforms)
+            except EngineError as exc:
+                raise EngineError(f"{exc} (weight version {self._version})") from None
             keep = []
             for row, (i, token, lp) in enumerate(zip(live, tokens.tolist(), chosen.tolist())):
                 outputs[i].append(token)
@@ -276,17 +280,23 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
     The log-prob is ``log_softmax(logits / T)`` in float32 (T = 1 for greedy rows, ``temperature`` 0), before top-p:
     what the trainer recomputes. Sampled rows draw by inverse CDF over the top-p nucleus (tokens sorted by
-    probability, each kept while the mass before it is below ``top_p``), using one uniform per row from that
-    request's own generator, so a row's draw does not depend on the other rows."""
+    probability, each kept while the mass before it is below ``top_p`` of the whole), using one uniform per row from
+    that request's own generator, so a row's draw does not depend on the other rows. The running mass is float64 (and
+    so should the uniforms be): in float32 it stops growing near 1 and would cut off the tail of a large vocabulary
+    (most of Qwen3's tokens at top_p 1) although the log-probs report it as possible."""
     greedy = temperature == 0
     scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
+    broken = torch.isnan(logp).any(dim=-1)  # a NaN or +inf logit (or all -inf) leaves no distribution
+    if broken.any():
+        raise EngineError(f"the model's logits are NaN or +inf in {int(broken.sum())} of {len(broken)} sequences: "
+                          "the served weights diverged or overflow in their dtype")
     sorted_logp, order = logp.sort(dim=-1, descending=True)
-    probs = sorted_logp.exp()
-    before = probs.cumsum(dim=-1) - probs
-    probs = probs * (before < top_p[:, None])
+    probs = sorted_logp.double().exp()
     cdf = probs.cumsum(dim=-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    probs = probs * (cdf - probs < top_p.double()[:, None] * cdf[:, -1:])
+    cdf = probs.cumsum(dim=-1)
+    pick = torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1])[:, None], right=True)
     pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)
     tokens = torch.where(greedy, order[:, 0], order.gather(1, pick)[:, 0])
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
