@@ -288,9 +288,10 @@ def _probe_type_names() -> Optional[str]:
     return "; ".join(parts)
 
 
-def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _within(context: Callable[[], contextlib.AbstractContextManager], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside ``context()`` (a patch that holds only while the upstream function runs)."""
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
+        with context():
             return fn(*args, **kwargs)
 
     wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -301,11 +302,11 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _apply_type_names() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip = _within(_cuda_type_names, clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     optimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
     cls = distrib_optimizer.DistributedOptimizer
-    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    cls.__init__ = _within(_cuda_type_names, cls.__init__)
 
 
 # --- 5. Torch norms under sequence parallelism ----------------------------------------------------------------------
@@ -523,6 +524,47 @@ def _apply_paged_stash() -> None:
     sys.modules[_PAGED_STASH] = stand_in
 
 
+# --- 10. Tied embeddings across pipeline stages ---------------------------------------------------------------------
+# Upstream: with tied embeddings (model.tie_embeddings) and pipeline > 1 the last stage keeps a copy of the word
+# embeddings as its output layer. LanguageModule.setup_embeddings_and_output_layer zeroes that copy and all-reduces
+# it with the first stage's embedding over the embedding group so both start equal, after ``weight.data.cuda()``,
+# which raises on a CPU-only torch. While that method runs, Tensor.cuda() leaves a host tensor where it is (the
+# all-reduce then runs over gloo). The gradients of the two copies are summed by finalize_model_grads, which needs
+# no shim.
+
+_plain_tensor_cuda = torch.Tensor.cuda
+
+
+def _stay_on_host(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+@contextlib.contextmanager
+def _host_cuda_moves() -> Iterator[None]:
+    torch.Tensor.cuda = _stay_on_host  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = _plain_tensor_cuda  # type: ignore[method-assign]
+
+
+def _probe_tied_embeddings() -> Optional[str]:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    moved = ".cuda()" in inspect.getsource(LanguageModule.setup_embeddings_and_output_layer)
+    error = _raises(lambda: torch.zeros(1).cuda())
+    if moved and error:
+        return f"LanguageModule.setup_embeddings_and_output_layer moves the tied output weight with .cuda(): {error}"
+    return None
+
+
+def _apply_tied_embeddings() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _host_cuda_moves, LanguageModule.setup_embeddings_and_output_layer)
+
+
 # --- Upstream fixes (every device) ---------------------------------------------------------------------------------
 # Not CPU shims: bugs of megatron-core itself, patched with CUDA too, with the same probe pattern.
 #
@@ -588,6 +630,8 @@ SHIMS: tuple[Shim, ...] = (
          _apply_alltoall_splits),
     Shim("torch_adam", "distributed-optimizer checkpoints with torch Adam (no fused Adam)", _probe_torch_adam,
          _apply_torch_adam),
+    Shim("tied_embeddings", "tied output layer moved with .cuda() to sync across pipeline stages",
+         _probe_tied_embeddings, _apply_tied_embeddings),
 )
 
 

@@ -266,7 +266,6 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Ba
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=backend.te,
             moe_permute_fusion=False,
         )
@@ -304,6 +303,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, backend: Ba
         expert_tensor_parallel_size=parallel.expert_tensor or parallel.tensor,
         # packed rows differ in length: stages exchange shapes (the interleaved schedule gets one length instead)
         variable_seq_lengths=parallel.pipeline > 1 and parallel.virtual_pipeline is None,
+        # set for dense models too: TransformerConfig refuses variable_seq_lengths with its default (allgather)
+        # dispatcher whether or not the model has experts
+        moe_token_dispatcher_type="alltoall",
         # gloo's batched isend/irecv garbles the interleaved schedule's overlapping exchanges (wrong losses with
         # virtual stages, measured); separate sends and receives are exact. NCCL batches them.
         batch_p2p_comm=backend.cuda,

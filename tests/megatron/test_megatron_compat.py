@@ -64,10 +64,11 @@ def test_every_upstream_fix_is_still_needed(installed: dict, fix: str) -> None:
 
 
 @pytest.mark.parametrize("shim", ["rng_tracker", "cuda_runtime", "device_literals", "type_names", "torch_norm_sp",
-                                  "alltoall_splits"])
+                                  "alltoall_splits", "tied_embeddings"])
 def test_patched_behaviour_is_right(installed: dict, shim: str) -> None:
     # torch_adam and uneven_collectives are checked end to end: resumed runs (Adam's step) and TP2xEP2 numerics in
-    # test_megatron_parallel.py; the aux_loss_all_padding fix by an all-padding micro-batch in test_megatron_padding.py
+    # test_megatron_parallel.py, as is tied_embeddings (its stage sync, by a tied PP2 run against one process); the
+    # aux_loss_all_padding fix by an all-padding micro-batch in test_megatron_padding.py
     assert installed["checks"][shim], f"shim '{shim}' no longer gives the behaviour it promises"
 
 
