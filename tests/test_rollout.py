@@ -334,3 +334,29 @@ def test_context_limit_must_fit_the_model_and_the_trainers_rows(engine, pool, to
     for path in recipes:  # every example's samples fit its trainer's rows
         cfg = load_config(path, ["rollout.engine=hf", "launch.engine_placement=auto"])
         Rollout(cfg, engine, pool, PromptBuilder.from_config(cfg, tokenizer))
+
+
+def test_a_stop_token_as_the_last_allowed_token_ends_the_turn(engine, pool, tokenizer):
+    """vLLM v1 and SGLang check the length limit before the stop tokens: an answer whose end-of-turn token is the last
+    one allowed comes back as "length". It is still a finished answer: the turn's end is not appended a second time
+    and a designer program that fits exactly is parsed, not rejected as truncated."""
+    rollout = make_rollout(engine, pool, tokenizer)
+    chat, eot = rollout.chat, tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = encode(tokenizer, "<action>open</action>")
+    for finish in ("stop", "length"):
+        generation = Generation((1, 2), tuple(answer + [eot]), tuple([-0.5] * (len(answer) + 1)), finish, 0)
+        assert chat.finish_reason(generation) == "stop"
+        assert chat.content_ids(generation.output_ids, chat.finish_reason(generation)) == answer
+        following = chat.between_turns(generation.output_ids, chat.finish_reason(generation), "It opens.")
+        assert eot not in following[:1] and decode(tokenizer, following).startswith("\n<|im_start|>user\nIt opens.")
+    cut = Generation((1, 2), tuple(answer), tuple([-0.5] * len(answer)), "length", 0)
+    assert chat.finish_reason(cut) == "length"
+
+    good = library.render("running_total")
+    document = GroundingDocument("doc-7", "maths", "A running total adds each new number to the sum so far.", 12, False)
+    slot = DesignerSlot("arithmetic", document)
+    prompt = encode(tokenizer, rollout.chat.builder.designer(slot.skill, document).text)
+    output = encode(tokenizer, designer_text(good)) + [eot]
+    outcome = designer_outcome(chat, slot, Generation(tuple(prompt), tuple(output), tuple([-0.5] * len(output)),
+                                                      "length", 1))
+    assert outcome.parse_error is None and outcome.program == good and outcome.finish_reason == "stop"

@@ -187,7 +187,7 @@ class _Lockstep:
             start = len(episode.sequence)
             episode.sequence.append_generated(gen.output_ids, gen.logprobs, gen.weight_version)
             episode.turn_spans.append((start, len(episode.sequence)))
-            answer = decode(self.chat.tokenizer, self.chat.content_ids(gen.output_ids, gen.finish_reason))
+            answer = decode(self.chat.tokenizer, self.chat.content_ids(gen.output_ids, self.chat.finish_reason(gen)))
             action = parse_agent_output(answer)
             episode.actions.append(action.text)
             episode.malformed_actions += not action.well_formed
@@ -206,7 +206,7 @@ class _Lockstep:
             if result.terminated or result.truncated or episode.turns >= entry.turn_limit:
                 self._finish(entry, terminated=result.terminated)
                 continue
-            following = self.chat.between_turns(gen.output_ids, gen.finish_reason, result.observation)
+            following = self.chat.between_turns(gen.output_ids, self.chat.finish_reason(gen), result.observation)
             next_start = len(episode.sequence) + len(following)
             if next_start >= self.rollout.max_context_tokens:
                 self._finish(entry, failure=EpisodeFailure.CONTEXT_OVERFLOW,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from spade_mega.curriculum.prompts import PromptBuilder, PromptError, render
+from spade_mega.inference.base import Generation
 
 _ASSISTANT, _USER = "\x00SPADE-ASSISTANT-TURN\x00", "\x00SPADE-USER-TURN\x00"
 
@@ -52,6 +53,13 @@ class ChatTurns:
         self.end_of_turn: Optional[int] = first[0] if first and first[0] in control else None
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.stop_ids = tuple(i for i in dict.fromkeys((self.end_of_turn, eos)) if i is not None)
+
+    def finish_reason(self, generation: Generation) -> str:
+        """"stop" when the completion ends with a stop token, whatever the engine says: vLLM v1 and SGLang check the
+        length limit first, so an answer whose end-of-turn token was the last one allowed comes back as "length"
+        (the turn's end would then be appended twice, a complete designer program rejected as truncated)."""
+        ids = generation.output_ids
+        return "stop" if ids and ids[-1] in self.stop_ids else generation.finish_reason
 
     def content_ids(self, output_ids: Sequence[int], finish_reason: str) -> list[int]:
         """The answer's ids without the stop token that ended it."""

@@ -74,17 +74,18 @@ def designer_outcome(chat: ChatTurns, slot: DesignerSlot, generation: Generation
     sequence = TokenSequence()
     sequence.append_context(generation.prompt_ids)
     sequence.append_generated(generation.output_ids, generation.logprobs, generation.weight_version)
-    text = decode(chat.tokenizer, chat.content_ids(generation.output_ids, generation.finish_reason))
+    finish = chat.finish_reason(generation)
+    text = decode(chat.tokenizer, chat.content_ids(generation.output_ids, finish))
     outcome = DesignerOutcome(
         skill=slot.skill, document_id=slot.document.id if slot.document is not None else None,
         seed_env_ids=tuple(record.id for record in slot.seeds),
         negative_env_ids=tuple(record.id for record in slot.negatives),
-        sequence=sequence, text=text, finish_reason=generation.finish_reason, prompt_dropped=dict(prompt_dropped or {}))
+        sequence=sequence, text=text, finish_reason=finish, prompt_dropped=dict(prompt_dropped or {}))
     provenance: dict[str, Any] = {"origin": "designer", "iteration": iteration, "document_id": outcome.document_id,
                                   "policy_version": generation.weight_version}
     try:
         outcome.program = parse_designer_output(text, chat.builder.skills.names, expected_skill=slot.skill,
-                                                finished=generation.finish_reason == "stop", provenance=provenance)
+                                                finished=finish == "stop", provenance=provenance)
     except DesignerParseError as error:
         outcome.parse_error, outcome.parse_detail = error.reason, error.detail
     return outcome
