@@ -121,6 +121,23 @@ def scenario_layout(args) -> None:
 
 
 
+def scenario_resume(args) -> None:
+    import torch
+
+    trainer = trainer_for(args)
+    for name in args.dump:
+        trainer.load(str(args.out / name))
+        weights = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+        torch.save(weights, args.out / f"{name}_weights.pt")
+    step = trainer.load(args.load)
+    logits = logits_of(trainer, make_batch(2))
+    if is_rank0():
+        torch.save(logits, args.out / f"{args.tag}_logits.pt")
+    result = {"loaded_step": step, "step2": trainer.train_step(make_batch(2)).metrics,
+              "step3": trainer.train_step(make_batch(3)).metrics}
+    write_json(args.out / f"{args.tag}.json", result)
+
+
 DIGITS, PLUS, EQUALS = list(range(10)), 10, 11  # the arithmetic task's own small vocabulary
 
 
