@@ -55,28 +55,28 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
     agree(error)
     files: list[tuple[str, list[str]]] = []
     total = 0
-    # rank 0 goes on draining the export after a write error: the other ranks are sending until its end
-    for i, bucket in enumerate(export_hf(trainer, bucket_mb)):
-        if error is not None:
-            continue
-        name = f"model-{i + 1:05d}.safetensors"
-        try:
-            save_file({k: v.cpu() for k, v in bucket.items()}, str(staging / name), metadata={"format": "pt"})
-        except OSError as exc:
-            error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
-        files.append((name, list(bucket)))
-        total += sum(v.numel() * v.element_size() for v in bucket.values())
-        if progress is not None:
-            progress(len(bucket))
-    if dist.get_rank() == SOURCE:
-        try:
-            if error is None:
+    try:  # whatever ends the save (an export that cannot start, an interrupt), no staging folder stays behind
+        # rank 0 goes on draining the export after a write error: the other ranks are sending until its end
+        for i, bucket in enumerate(export_hf(trainer, bucket_mb)):
+            if error is not None:
+                continue
+            name = f"model-{i + 1:05d}.safetensors"
+            try:
+                save_file({k: v.cpu() for k, v in bucket.items()}, str(staging / name), metadata={"format": "pt"})
+            except OSError as exc:
+                error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
+            files.append((name, list(bucket)))
+            total += sum(v.numel() * v.element_size() for v in bucket.values())
+            if progress is not None:
+                progress(len(bucket))
+        if dist.get_rank() == SOURCE and error is None:
+            try:
                 _finish(trainer, staging, folder, files, total)
-        except OSError as exc:
-            error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+            except OSError as exc:
+                error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
+    finally:
+        if dist.get_rank() == SOURCE and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     agree(error)
     return folder
 

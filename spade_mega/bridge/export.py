@@ -117,23 +117,34 @@ def _plan(rules: dict[str, Rule], shards: dict[str, Shard]) -> dict[str, _Planne
 
 
 def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator[Bucket]:
-    """Yield the model's weights as Hugging Face tensors in buckets of at most ``bucket_mb`` MiB (default
-    ``bridge.bucket_mb``) on global rank 0; other ranks yield nothing. Collective: every rank must iterate to the end.
+    """The model's weights as Hugging Face tensors in buckets of at most ``bucket_mb`` MiB (default
+    ``bridge.bucket_mb``), yielded on global rank 0; other ranks yield nothing. Collective: every rank calls it and
+    iterates the result to the end.
+
+    What can be checked before the transfer (the bucket limit, the parameters against the table, the joined shapes)
+    is checked in this call, on every rank alike, and raises here on every rank: never inside the iteration, where
+    rank 0's consumer (an engine) would catch it as its own failure while the other ranks raised.
 
     Tensors are copies (a bucket does not change when training goes on), on the trainer's device, in the
     parameters' dtype. Parameters are detached rather than read under ``torch.no_grad()``: a grad-mode context held
     across a ``yield`` would be restored by whoever resumes the generator last, leaving the caller's mode switched."""
-    limit = int((trainer.cfg.bridge.bucket_mb if bucket_mb is None else bucket_mb) * 2**20)
-    if limit <= 0:
-        raise BridgeError(f"bucket_mb must be > 0, got {bucket_mb}")
-    rules = rules_of(trainer)
+    mb = trainer.cfg.bridge.bucket_mb if bucket_mb is None else bucket_mb
+    limit = int(mb * 2**20)
     message, shards = None, {}
+    rules = rules_of(trainer)
     try:
+        if limit <= 0:
+            raise BridgeError(f"bucket_mb must be > 0, got {mb}")
         shards = local_shards(trainer, rules)
     except BridgeError as exc:
         message = str(exc)
     agree(message)
-    plan = _plan(rules, shards)
+    return _stream(trainer, rules, shards, _plan(rules, shards), limit)
+
+
+def _stream(trainer: "Trainer", rules: dict[str, Rule], shards: dict[str, Shard], plan: dict[str, _Planned],
+            limit: int) -> Iterator[Bucket]:
+    """The transfer of :func:`export_hf`, weight by weight in ``plan`` order."""
     rank = dist.get_rank()
     device = trainer.backend.device
     bucket: Bucket = {}

@@ -135,9 +135,14 @@ def scenario_reference(args) -> None:
             save_hf(trainer, args.out / f"trained_{model}")
         except BridgeError as exc:
             again = str(exc)
+        bad_bucket = None
+        try:  # an export that cannot start leaves no staging folder behind
+            save_hf(trainer, args.out / f"bad_bucket_{model}", bucket_mb=0)
+        except BridgeError as exc:
+            bad_bucket = str(exc)
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"trained_{model}_logits.pt")
         torch.save(hf_logits(args.out / f"trained_{model}"), args.out / f"trained_{model}_hf_logits.pt")
-        result[model] = {"save_again": again, "updated": step.updated, "grad_norm": step.metrics["grad_norm"]}
+        result[model] = {"save_again": again, "bad_bucket": bad_bucket, "updated": step.updated, "grad_norm": step.metrics["grad_norm"]}
     # the CLI, in this process: Hugging Face -> Megatron checkpoint -> Hugging Face
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -182,6 +187,7 @@ def scenario_layouts(args) -> None:
         exported, buckets = export_of(trainer)
         result = {**refusals, "logits": torch.cat(trainer.logits([probe()])), "export": exported, "buckets": buckets,
                   "layout": trainer.layout.describe()}
+        engine = HFEngine(trainer.model_cfg, eos_token_id=0, device="cpu") if rank0() else None
         if i == 0:
             wrong = HFEngine(config("dense", []).model, eos_token_id=0, device="cpu") if rank0() else None
             try:
@@ -189,7 +195,12 @@ def scenario_layouts(args) -> None:
             except Exception as exc:
                 result["refused"] = f"{type(exc).__name__}: {exc}"
             result["grad_enabled_after_refusal"] = torch.is_grad_enabled()
-        engine = HFEngine(trainer.model_cfg, eos_token_id=0, device="cpu") if rank0() else None
+            try:  # an export that fails before any transfer (every rank finds it): every rank raises
+                sync_weights(trainer, engine, version=2, bucket_mb=0)
+            except Exception as exc:
+                result["export_refused"] = f"{type(exc).__name__}: {exc}"
+            if rank0():
+                result["engine_version_after_export_refused"] = engine.weight_version
         stats = sync_weights(trainer, engine, version=7, bucket_mb=0.1)
         result["sync"] = {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
         if rank0():
@@ -197,7 +208,7 @@ def scenario_layouts(args) -> None:
             torch.save(result, args.out / f"{name}.pt")
         elif i == 0:
             (args.out / f"{name}_refused_rank{torch.distributed.get_rank()}.json").write_text(
-                json.dumps({k: result[k] for k in ("refused", "load_refused")}))
+                json.dumps({k: result[k] for k in ("refused", "load_refused", "export_refused")}))
 
 
 def main() -> None:

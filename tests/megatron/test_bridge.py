@@ -88,6 +88,9 @@ def test_saved_checkpoint_is_a_complete_hugging_face_folder(reference: Path) -> 
         assert ("lm_head.weight" in tensors) == (not cfg.model.tie_embeddings)
         refused = json.loads((reference / "reference.json").read_text())[model]["save_again"]
         assert refused == f"{folder} already exists and is not an empty folder; choose a new one for the checkpoint"
+        assert json.loads((reference / "reference.json").read_text())[model]["bad_bucket"] == \
+            "bucket_mb must be > 0, got 0"
+        assert not (reference / f"bad_bucket_{model}").exists()
     assert not list(reference.glob(".*partial*")), "no staging folder is left behind"
 
 
@@ -135,6 +138,18 @@ def test_a_refused_update_fails_every_rank_and_the_next_sync_works(layouts: Path
                                        "EngineError")
     assert result["grad_enabled_after_refusal"], "the export must not leave autograd switched off"
     assert result["engine_version"] == 7  # the same ranks synced again afterwards
+
+
+def test_an_export_that_cannot_start_fails_every_rank_before_the_engine_sees_it(layouts: Path) -> None:
+    """An error every rank finds before the transfer (here a bucket limit of 0) is raised on every rank; rank 0 used
+    to catch it as the engine's failure and wait in a broadcast the others never joined."""
+    first = list(LAYOUTS)[0]
+    result = torch.load(layouts / f"{first}.pt")
+    other = json.loads((layouts / f"{first}_refused_rank1.json").read_text())
+    for message in (result["export_refused"], other["export_refused"]):
+        assert message == "BridgeError: bucket_mb must be > 0, got 0"
+    assert result["engine_version_after_export_refused"] == 0  # untouched: the engine never saw the update
+    assert result["engine_version"] == 7  # and the same ranks synced afterwards
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_on_every_rank(layouts: Path) -> None:
