@@ -657,6 +657,22 @@ def installed() -> dict[str, str]:
 
 # --- Version adapters (not CPU shims): APIs that moved between supported megatron-core versions ---------------------
 
+def reset_moe_metrics() -> None:
+    """Empty megatron-core's MoE metrics tracker. It is process-global and sizes each metric by the layer count of the
+    first model that records it: a later model with more layers in the same process (a second Trainer) indexed past
+    it (IndexError in the router). The trainer starts every step from an empty tracker, sized by its own model.
+
+    megatron-core >= 0.17: ``moe_logging``'s tracker object; 0.16: the dict of ``moe_utils``."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
 def moe_load_balancing_loss(num_layers: int, num_micro_batches: int) -> Optional[float]:
     """The router load-balancing loss (without its coefficient) recorded since the last call, averaged over layers
     and micro-batches and reduced across ranks; the tracker is cleared. Collective: every rank must call it.

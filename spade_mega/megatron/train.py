@@ -287,6 +287,8 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.model_cfg.num_experts:
+            compat.reset_moe_metrics()  # process-global: another model may have sized or filled it
         self._run_schedule(micro_batches, loss_fn, forward_only=False)
         updated, grad_norm, _ = self.optimizer.step()
         if updated:

@@ -14,6 +14,7 @@
   single     one process: packing and loss normalisation invariances
   padding    any layout: the MoE load-balancing loss and gradients of a padded row against the unpadded row
   qwen3_30b  the Qwen3-30B-A3B TransformerConfig and parameter counts on the meta device (JSON on stdout)
+  models     one process: Trainers of 2, 4 and 2 layers built one after the other, one step each
 """
 
 from __future__ import annotations
@@ -119,6 +120,17 @@ def scenario_layout(args) -> None:
     continue_run(trainer, args, args.tag, result)
     write_json(args.out / f"{args.tag}.json", result)
 
+
+def scenario_models(args) -> None:
+    """One process, three Trainers one after the other (as a self-play run or a test may build them): 2 layers, 4
+    layers, 2 layers again, one step each on batch A."""
+    from spade_mega.megatron import Trainer
+
+    steps = {}
+    for name, layers in (("first", 2), ("deeper", 4), ("again", 2)):
+        steps[name] = Trainer(config([f"model.num_layers={layers}", *args.overrides])).train_step(
+            make_batch(1)).metrics
+    write_json(args.out / "models.json", steps)
 
 
 def scenario_resume(args) -> None:
@@ -391,7 +403,7 @@ def scenario_qwen3_30b(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "schedule", "compat",
-                                             "single", "padding", "qwen3_30b"])
+                                             "single", "padding", "qwen3_30b", "models"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")

@@ -96,6 +96,16 @@ def test_batch_not_splitting_evenly_over_data_parallel_ranks_matches_one_process
         assert got[key] == pytest.approx(want[key], rel=1e-5), key
 
 
+def test_trainers_built_one_after_another_in_one_process_each_train(tmp_path: Path) -> None:
+    """Megatron's MoE metrics tracker is process-global: a deeper model built after a shallower one must still train,
+    and a model built after others steps exactly as the first one of its shape did."""
+    run_worker(1, "models", tmp_path)
+    steps = read_json(tmp_path / "models.json")
+    assert 0 < steps["deeper"]["moe_load_balancing_loss"] < float("inf")
+    for key in ("loss", "grad_norm", "clip_frac", "moe_load_balancing_loss"):
+        assert steps["again"][key] == pytest.approx(steps["first"][key], rel=1e-6), key
+
+
 @pytest.mark.parametrize("override, key", [("rl.kl_coef=0.1", "rl.kl_coef"), ("parallel.context=2", "parallel.context")])
 def test_unsupported_settings_are_refused_before_anything_starts(override: str, key: str) -> None:
     from spade_mega.config import ConfigError
