@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,15 +79,33 @@ def test_a_server_that_exits_while_starting_is_an_error_quoting_its_log(tmp_path
 
 
 def test_a_server_not_healthy_in_time_is_stopped_and_the_error_quotes_its_log(tmp_path):
-    command = [sys.executable, "-c", "import time; print('still loading shards', flush=True); time.sleep(600)"]
-    with pytest.raises(EngineError, match=r"not healthy within 2 s[\s\S]*still loading shards") as info:
-        Server.start("SGLang", command, port=1, health_path="/health", timeout_s=2, log_path=tmp_path / "s.log")
+    import psutil
+
+    marker = f"slow-server-{tmp_path.name}"  # finds the process (and a child it started) afterwards
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
+            f"'{marker}']); print('still loading shards', flush=True); time.sleep(600)")
+    with pytest.raises(EngineError, match=r"not healthy within 4 s[\s\S]*still loading shards") as info:
+        Server.start("SGLang", [sys.executable, "-c", code, marker], port=1, health_path="/health", timeout_s=4,
+                     log_path=tmp_path / "s.log")
     assert "startup_timeout_s" in str(info.value)
+    alive = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    assert not alive  # the server and its worker: the whole process group is gone
 
 
-def test_a_missing_server_python_is_an_error_naming_it(tmp_path):
+def test_a_missing_server_python_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     with pytest.raises(EngineError, match="server_python"):
         Server.start("vLLM", [str(tmp_path / "no-python")], port=1, health_path="/health", timeout_s=5)
+    assert not any((tmp_path / "tmp").iterdir())  # its temporary log went with it
+
+
+def test_a_stopped_server_takes_its_temporary_log_along(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    command = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    with pytest.raises(EngineError, match="not healthy within 1 s"):
+        Server.start("vLLM", command, port=1, health_path="/health", timeout_s=1)
+    assert not list(tmp_path.glob("spade-vllm-*.log"))
 
 
 # ---- SGLang: request/response translation only (SGLang needs CUDA: no server runs here) ----------------------------

@@ -106,6 +106,7 @@ class Server:
         self.name, self.url = name, url.rstrip("/")
         self.process, self.log_path = process, log_path
         self.command = ""  # what was started, for error messages
+        self._own_log = False
         # a server left running by an engine nobody closed still goes when the interpreter exits
         self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
 
@@ -113,6 +114,7 @@ class Server:
     def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
               env: Optional[Mapping[str, str]] = None, log_path: Optional[Path] = None) -> "Server":
         """Start ``command`` (which must serve on 127.0.0.1:``port``) and wait until ``health_path`` answers 200."""
+        own_log = log_path is None  # a temporary log goes with the server (errors quote its tail first)
         if log_path is None:
             handle, raw = tempfile.mkstemp(prefix=f"spade-{name.lower()}-", suffix=".log")
             os.close(handle)
@@ -124,10 +126,12 @@ class Server:
                                            stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
                                            start_new_session=True)
             except OSError as exc:
+                if own_log:
+                    log_path.unlink(missing_ok=True)
                 raise EngineError(f"cannot start the {name} server ({command[0]}: {exc.strerror}); set "
                                   "inference.server_python to a Python that has it") from None
         server = cls(name, f"http://127.0.0.1:{port}", process, log_path)
-        server.command = " ".join(command)
+        server.command, server._own_log = " ".join(command), own_log
         log.info("started %s server (pid %d) on port %d, log %s", name, process.pid, port, log_path)
         try:
             server.wait_healthy(health_path, timeout_s)
@@ -203,6 +207,8 @@ class Server:
             _terminate_group(self.process, grace_s)
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self._own_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
 
 def checkpoint_weights(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
