@@ -592,6 +592,25 @@ def test_job_script_stops_the_trainer_when_the_engine_servers_fail(tmp_path: Pat
     assert not (tmp_path / "scontrol.log").exists()  # a failure is not requeued
 
 
+@pytest.mark.multiproc
+def test_time_limit_signal_to_the_whole_step_leaves_sandbox_workers_running() -> None:
+    """slurmstepd hands a signal for a step (srun forwarding the script's SIGUSR1) to every process of the step: rank
+    0's sandbox workers (bubblewrap's launcher, its init, the worker) get it too. They must outlive it, or the episodes
+    in flight end as sandbox errors, blamed on their environment programs, in the rollout saved before the requeue."""
+    from sandbox_support import GUESS_NUMBER, pid_gone, program, strict_pool, wait_warm
+
+    with strict_pool(warm_workers=1) as pool:
+        with pool.open(program(GUESS_NUMBER)) as env:
+            env.reset(0)
+            wait_warm(pool)
+            pids = sorted(pool.processes())
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)
+            assert [pid for pid in pids if pid_gone(pid)] == []
+            assert "higher" in env.step("1").observation  # the episode goes on in the same worker
+
+
 # ---- engine servers on a node -----------------------------------------------------------------------------------
 
 
@@ -614,6 +633,31 @@ def test_serve_splits_the_gpus_and_stops_every_server_on_sigterm(tmp_path: Path)
     assert status == 128 + signal.SIGTERM
     with pytest.raises(node.SlurmEnvError, match=r"not healthy after 0.5 s: http://127.0.0.1:\d+ \("):
         node.wait_healthy(urls[:1], timeout_s=0.5, poll_s=0.1)
+
+
+def test_health_wait_names_a_port_that_answers_something_else_than_http() -> None:
+    """A port taken by another program (a collision) answers garbage: the wait names the server instead of crashing
+    with a traceback out of http.client."""
+    import threading
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def answer_garbage() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+        threading.Thread(target=answer_garbage, daemon=True).start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(node.SlurmEnvError, match=rf"not healthy after 0.5 s: {url} \("):
+            node.wait_healthy([url], timeout_s=0.5, poll_s=0.1)
 
 
 def test_serve_stops_the_node_when_one_server_crashes() -> None:

@@ -13,6 +13,7 @@ module, not shell arithmetic, decides who is rank 0 and where the rendezvous is:
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import re
 import signal
@@ -188,7 +189,7 @@ def wait_healthy(urls: Sequence[str], timeout_s: float, poll_s: float = 2.0) -> 
                         pending.remove(url)
                         continue
                     last_error[url] = f"HTTP {reply.status}"
-            except (urllib.error.URLError, OSError) as exc:
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # Bad*: not HTTP there
                 last_error[url] = str(getattr(exc, "reason", exc))
         if not pending:
             return

@@ -181,6 +181,10 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
     rep_r, rep_w = os.pipe()
     info_r, info_w = os.pipe() if launch.plan.bwrap else (None, None)
     argv, env = launch.command(req_r, rep_w, info_w)
+    # The worker starts with SIGUSR1 blocked (a signal mask outlives exec): SLURM hands the job's time-limit warning
+    # to every process of the trainer's step, and the worker must not die of it while the trainer checkpoints.
+    # Only this thread blocks it meanwhile, so the trainer's own handler still gets it.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
         popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, pass_fds=[fd for fd in (req_r, rep_w, info_w) if fd],
@@ -190,6 +194,8 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
             if fd is not None:
                 os.close(fd)
         raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     for fd in (req_r, rep_w, info_w):
         if fd is not None:
             os.close(fd)
