@@ -29,7 +29,9 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: Optional[int] = None  # the same seed, prompt and weights give the same completion
+    # the same seed, prompt and weights give the same completion; in bfloat16 only in the same batch (its kernels
+    # are not batch-invariant, so the logits move with the batch a request is decoded in)
+    seed: Optional[int] = None
     stop_token_ids: tuple[int, ...] = ()  # besides the engine's end-of-sequence token
 
     def __post_init__(self) -> None:

@@ -64,7 +64,9 @@ class HFEngine:
 
     ``eos_token_id`` ends a completion (the run tokenizer's ``<|im_end|>``), ``pad_token_id`` fills left padding
     (never attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``. A request
-    without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible."""
+    without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible. Each
+    request samples from its own generator, so in float32 its completion does not depend on the batch; in bfloat16
+    the logits do (to ~1e-4 in log-prob on the tiny model), so a seeded sample can differ between batches."""
 
     def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
                  device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
