@@ -259,6 +259,20 @@ def test_bad_requests_name_the_request(engine, prompt, max_new, match):
         engine.generate([good, GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new))])
 
 
+@pytest.mark.parametrize("fields,match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(temperature=-0.5), r"temperature must be a finite number >= 0, got -0.5"),
+    (dict(temperature=float("nan")), r"temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), r"temperature must be a finite number >= 0, got inf"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+])
+def test_bad_sampling_params_are_refused_by_name(fields, match):
+    """Not at sampling time, where a NaN temperature would read as NaN logits, i.e. as broken weights."""
+    with pytest.raises(EngineError, match=match):
+        SamplingParams(**{"max_new_tokens": 4, **fields})
+
+
 def test_an_engine_this_build_lacks_is_reported_unavailable(cfg):
     lacking = type(cfg)(**{**vars(cfg), "rollout": type(cfg.rollout)(**{**vars(cfg.rollout), "engine": "trtllm"})})
     with pytest.raises(EngineError, match="rollout.engine 'trtllm' is unavailable"):

@@ -8,6 +8,7 @@ that the bridge streams; the engine never sees Megatron's layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -37,8 +38,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise EngineError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise EngineError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too: it would surface as NaN logits, blaming the weights
+            raise EngineError(f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise EngineError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
 
