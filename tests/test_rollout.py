@@ -360,3 +360,18 @@ def test_a_stop_token_as_the_last_allowed_token_ends_the_turn(engine, pool, toke
     outcome = designer_outcome(chat, slot, Generation(tuple(prompt), tuple(output), tuple([-0.5] * len(output)),
                                                       "length", 1))
     assert outcome.parse_error is None and outcome.program == good and outcome.finish_reason == "stop"
+
+
+def test_a_completion_without_usable_logprobs_is_an_engine_error():
+    """An engine that returns a NaN, positive or missing behaviour log-prob (diverged weights, a server reply cut
+    short) stops the rollout with an EngineError (one line from the CLI) naming the value, and nothing is appended."""
+    from spade_mega.inference.base import EngineError
+    from spade_mega.rollout import TokenSequence
+
+    seq = TokenSequence()
+    seq.append_context([1, 2])
+    for ids, logprobs, named in (([3, 4], [-0.1, float("nan")], "nan"), ([3], [0.5], "0.5"),
+                                 ([3, 4], [-0.1], "1 log-prob")):
+        with pytest.raises(EngineError, match=named):
+            seq.append_generated(ids, logprobs, 0)
+    assert seq.token_ids == [1, 2] and seq.loss_mask == [0, 0] and seq.policy_version is None

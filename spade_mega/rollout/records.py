@@ -20,6 +20,7 @@ from spade_mega.curriculum.parsing import ParseReason
 from spade_mega.curriculum.rewards import Failure
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.validate import ValidationReport
+from spade_mega.inference.base import EngineError
 
 
 @dataclass
@@ -45,12 +46,13 @@ class TokenSequence:
         self.behaviour_logprobs.extend([0.0] * len(ids))
 
     def append_generated(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
-        """The engine's output tokens, kept exactly as generated, with their behaviour log-probs."""
+        """The engine's output tokens, kept exactly as generated, with their behaviour log-probs; a completion
+        without one usable log-prob per token is the engine's fault (an EngineError), and nothing is appended."""
         if len(ids) != len(logprobs):
-            raise ValueError(f"{len(ids)} generated tokens but {len(logprobs)} log-probs")
+            raise EngineError(f"the engine returned {len(ids)} generated tokens but {len(logprobs)} log-probs")
         bad = next((lp for lp in logprobs if not (math.isfinite(lp) and lp <= 0.0)), None)
         if bad is not None:
-            raise ValueError(f"a behaviour log-prob must be finite and <= 0, got {bad!r}")
+            raise EngineError(f"the engine returned a behaviour log-prob of {bad!r}; each must be finite and <= 0")
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.behaviour_logprobs.extend(logprobs)
