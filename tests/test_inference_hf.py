@@ -288,6 +288,15 @@ def test_inference_settings_are_checked(cfg, tmp_path):
         make_engine(cfg.model, weights_path=str(tmp_path))
 
 
+def test_a_damaged_weights_file_is_named(cfg, tmp_path):
+    """inference.hf_weights with a shard cut short (an interrupted copy): the error names the file, as a SpadeError."""
+    build_hf_model(cfg.model, dtype=torch.float32, device=torch.device("cpu")).save_pretrained(tmp_path)
+    shard, = tmp_path.glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(EngineError, match=f"inference.hf_weights: cannot read {shard}: .*incomplete"):
+        make_engine(cfg.model, weights_path=str(tmp_path))
+
+
 def test_a_closed_engine_says_so(cfg):
     engine = make_engine(cfg.model)
     engine.close()

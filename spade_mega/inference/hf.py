@@ -313,7 +313,11 @@ def load_checkpoint_buckets(path: str) -> Iterator[dict[str, torch.Tensor]]:
         raise EngineError(f"inference.hf_weights: no *.safetensors file in {path!r} (give a local Hugging Face "
                           "model folder)")
     for file in files:
-        yield load_file(str(file))
+        try:
+            bucket = load_file(str(file))
+        except Exception as exc:  # safetensors' errors name neither the file nor the setting
+            raise EngineError(f"inference.hf_weights: cannot read {file}: {exc}") from exc
+        yield bucket
 
 
 def from_config(cfg: SpadeConfig, tokenizer: Any) -> HFEngine:
