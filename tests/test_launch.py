@@ -576,6 +576,52 @@ def test_job_script_passes_the_time_limit_warning_to_the_trainer_and_requeues(tm
 
 
 @pytest.mark.multiproc
+def test_job_script_stops_a_trainer_that_outlives_the_warning_and_still_requeues(tmp_path: Path) -> None:
+    """A trainer still running STOP_GRACE_S after the time-limit warning (a rollout longer than the warning leaves,
+    or launcher srun, where no torchrun bounds the ranks' grace) is stopped by the script, which then requeues: left
+    to the limit, SLURM would kill the whole job (state TIMEOUT, never requeued). The grace is shortened here."""
+    script = _stand_in_job(tmp_path, ["launch.launcher=srun", "launch.signal_before_s=300"])
+    text = script.read_text()
+    assert "STOP_GRACE_S=270\n" in text  # signal_before_s - 30: after torchrun's own grace (- 60), before the limit
+    script.write_text(text.replace("STOP_GRACE_S=270\n", "STOP_GRACE_S=2\n"))
+    marker = f"deaf trainer of {tmp_path}"  # the training step: a rank deep in a rollout, deaf to the warning
+    (tmp_path / "bin" / "srun").write_text(STAND_IN_SRUN.replace(
+        'if [[ -n "$out" ]]; then',
+        f'trap "" USR1\nset -- {sys.executable} -c "import time; time.sleep(600)  # {marker}"\n'
+        'if [[ -n "$out" ]]; then',
+        1))
+    log = tmp_path / "job.out"
+    with log.open("w") as out:
+        job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), stdout=out,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not _running(marker):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        job.send_signal(signal.SIGUSR1)
+        status = job.wait(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log.read_text()
+    assert "still running 2 s after the time-limit warning; stopping it" in text, text[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 123\n" and status != 0
+    assert not _running(marker)
+
+
+def _running(marker: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.multiproc
 def test_job_script_stops_the_trainer_when_the_engine_servers_fail(tmp_path: Path) -> None:
     """A server that cannot start (here its interpreter is /bin/false) ends the engine step; the script stops the
     trainer, still waiting for /health, instead of leaving it to wait out engine_start_timeout_s."""

@@ -7,8 +7,9 @@ user names), which lets examples/slurm/ be checked against the renderer. Every p
 
 Time limit: SLURM sends the batch shell SIGUSR1 ``launch.signal_before_s`` before the limit (``--signal=B:USR1@S``).
 The script passes it to the training step; torchrun hands it on to every rank (node.py sets its signals_to_handle)
-and gives the ranks ``signal_before_s - 60`` seconds before it kills them. Then the script requeues the job, which
-resumes from the newest checkpoint (``run.resume: auto``).
+and gives the ranks ``signal_before_s - 60`` seconds before it kills them; a training step still running 30 seconds
+before the limit (launcher srun has no torchrun to bound it) is stopped by the script. Then the script requeues the
+job, which resumes from the newest checkpoint (``run.resume: auto``).
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ while [[ -z "$STATUS" ]]; do
     echo "spade-mega: the engine servers exited; stopping the trainer (see $LOG_DIR)" >&2
     ENGINE_FAILED=1
     kill -TERM "$TRAIN_PID" 2>/dev/null
+  elif [[ -n "$STOP_BY" ]] && (( SECONDS >= STOP_BY )); then
+    echo "spade-mega: the trainer is still running $STOP_GRACE_S s after the time-limit warning; stopping it" >&2
+    STOP_BY=""
+    kill -TERM "$TRAIN_PID" 2>/dev/null
   else
     sleep 2 & wait $!
   fi
@@ -205,7 +210,7 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
         CONFIG_DELIMITER,
         "",
         f"SRUN=({_srun_prefix(cfg)})",
-        'ENGINE_PID=""; TRAIN_PID=""; ENGINE_FAILED=0; REQUEUE=0',
+        'ENGINE_PID=""; TRAIN_PID=""; ENGINE_FAILED=0; REQUEUE=0; STOP_BY=""',
         "stop_engines() {",
         '  if [[ -n "$ENGINE_PID" ]] && kill -0 "$ENGINE_PID" 2>/dev/null; then kill -TERM "$ENGINE_PID"; '
         'wait "$ENGINE_PID"; fi',
@@ -214,10 +219,12 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
     ]
     if launch.requeue:
         lines += [
+            # a trainer still running 30 s before the limit is stopped: after torchrun's grace, in time to requeue
+            f"STOP_GRACE_S={launch.signal_before_s - 30}",
             "on_time_limit() {  # SIGUSR1 from --signal: checkpoint on every rank, stop, then requeue",
             f'  echo "spade-mega: time limit in {launch.signal_before_s} s: asking the trainer to checkpoint and '
             'stop" >&2',
-            "  REQUEUE=1",
+            "  REQUEUE=1; STOP_BY=$((SECONDS + STOP_GRACE_S))",
             '  if [[ -n "$TRAIN_PID" ]]; then kill -USR1 "$TRAIN_PID" 2>/dev/null; fi',
             "}",
             "trap on_time_limit USR1",
