@@ -186,3 +186,23 @@ def test_a_shard_cut_short_is_refused_when_opened(saved: dict[str, Path], tmp_pa
     (folder / "model.safetensors").write_bytes(data[:-1000])
     with pytest.raises(BridgeError, match="model.safetensors: cannot be read as safetensors"):
         HFCheckpoint(folder)
+
+
+def test_convert_from_hf_refuses_an_out_that_already_holds_checkpoints(saved: dict[str, Path], tmp_path: Path) -> None:
+    """from-hf writes step 0 under --out: over a root that holds checkpoints it would replace a step 0 or sit behind
+    the newest step (what a later load of the root takes), so it is refused before any model is built, and the
+    checkpoint there is untouched."""
+    import subprocess
+    import sys
+
+    from spade_mega.megatron.checkpoint import MANIFEST
+
+    existing = tmp_path / "root" / "step_00000005"
+    existing.mkdir(parents=True)
+    (existing / MANIFEST).write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "spade_mega.cli", "convert", "from-hf", "--hf", str(saved["moe"]),
+                           "--out", str(tmp_path / "root")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (f"spade-mega: error: {tmp_path / 'root'} already holds a checkpoint (step_00000005);"
+                                   " from-hf starts a new checkpoint root: choose an empty or new --out")
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["step_00000005"]

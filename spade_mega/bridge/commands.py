@@ -38,9 +38,16 @@ def _to_hf(args: argparse.Namespace) -> int:
 
 
 def _from_hf(args: argparse.Namespace) -> int:
-    from spade_mega.bridge import HFCheckpoint, load_hf
+    from spade_mega.bridge import BridgeError, HFCheckpoint, load_hf
+    from spade_mega.megatron.checkpoint import find_latest
     from spade_mega.monitor.progress import RunProgress
 
+    # step 0 under a root that holds checkpoints would replace one, or sit behind the newest (what loads of the root
+    # take): refused, like to-hf's existing folder, before a model is built
+    held = find_latest(args.out)
+    if held is not None:
+        raise BridgeError(f"{args.out} already holds a checkpoint ({held.name}); from-hf starts a new checkpoint root: "
+                          f"choose an empty or new --out")
     HFCheckpoint(args.hf)  # a folder without a checkpoint fails here, before a model is built
     trainer = _trainer(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
     total = sum(1 for chunk in trainer.model for _ in chunk.parameters())
@@ -81,5 +88,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                              "(step 0, fresh optimizer) under --out.")
     _config_args(from_hf)
     from_hf.add_argument("--hf", required=True, help="Hugging Face checkpoint folder (config.json + *.safetensors)")
-    from_hf.add_argument("--out", required=True, help="checkpoint root; the checkpoint is written as <out>/step_0..")
+    from_hf.add_argument("--out", required=True,
+                         help="a new checkpoint root (or one without checkpoints); written as <out>/step_0..")
     from_hf.set_defaults(func=_from_hf)

@@ -142,7 +142,8 @@ def scenario_reference(args) -> None:
             bad_bucket = str(exc)
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"trained_{model}_logits.pt")
         torch.save(hf_logits(args.out / f"trained_{model}"), args.out / f"trained_{model}_hf_logits.pt")
-        result[model] = {"save_again": again, "bad_bucket": bad_bucket, "updated": step.updated, "grad_norm": step.metrics["grad_norm"]}
+        result[model] = {"save_again": again, "bad_bucket": bad_bucket, "updated": step.updated,
+                         "grad_norm": step.metrics["grad_norm"]}
     # the CLI, in this process: Hugging Face -> Megatron checkpoint -> Hugging Face
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
