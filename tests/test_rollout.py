@@ -375,3 +375,19 @@ def test_a_completion_without_usable_logprobs_is_an_engine_error():
         with pytest.raises(EngineError, match=named):
             seq.append_generated(ids, logprobs, 0)
     assert seq.token_ids == [1, 2] and seq.loss_mask == [0, 0] and seq.policy_version is None
+
+
+def test_context_limit_is_checked_against_a_hugging_face_config(engine, pool, tokenizer, tmp_path):
+    """With model.hf_config, the config.json's max_position_embeddings is the model's limit (it wins over the section),
+    so the rollout checks its context against that one."""
+    import json
+
+    from spade_mega.megatron.providers import hf_config_dict
+
+    cfg = config()
+    short = hf_config_dict(cfg.model) | {"max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(short))
+    cfg = config(f"model.hf_config={tmp_path / 'config.json'}")
+    with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(2048\)") as error:
+        Rollout(cfg, engine, pool, PromptBuilder.from_config(cfg, tokenizer))
+    assert error.value.path == "rollout.max_context_tokens" and "config.json" in error.value.message

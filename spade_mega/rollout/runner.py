@@ -25,7 +25,7 @@ class Rollout:
 
     def __init__(self, cfg: SpadeConfig, engine: Engine, pool: SandboxPool, builder: PromptBuilder,
                  solvability: Optional[SolvabilityCheck] = None) -> None:
-        _check_rows(cfg)
+        _check_context(cfg)
         self.cfg, self.engine, self.pool = cfg, engine, pool
         self.chat = ChatTurns(builder)
         self.validator = Validator(pool, cfg.validation, solvability=solvability, rollout_turns=cfg.rollout.max_turns)
@@ -44,11 +44,21 @@ class Rollout:
         return play_episodes(self.engine, self.chat, self.pool, self.cfg, plays, progress)
 
 
-def _check_rows(cfg: SpadeConfig) -> None:
-    """Every sequence of a rollout (an episode, a designer sample) grows up to ``rollout.max_context_tokens``, and the
-    trainer packs each whole into one micro-batch row (``parallel.max_tokens_per_gpu``, rounded down to a multiple of
-    TP under sequence parallelism), refusing a longer one: say so before any rollout, not at the first long sample."""
+def _check_context(cfg: SpadeConfig) -> None:
+    """Every sequence of a rollout (an episode, a designer sample) grows up to ``rollout.max_context_tokens``: the
+    model's positions must hold it (with ``model.hf_config``, its config.json's ``max_position_embeddings``, which
+    ``SpadeConfig.check`` does not read), and so must one micro-batch row of the trainer
+    (``parallel.max_tokens_per_gpu`` rounded down to a multiple of TP under sequence parallelism), which refuses a
+    longer sample. Say so before any rollout, not at the first long sample."""
     p, context = cfg.parallel, cfg.rollout.max_context_tokens
+    if cfg.model.hf_config is not None:
+        from spade_mega.megatron.providers import resolve_model_config
+
+        positions = resolve_model_config(cfg.model).max_position_embeddings
+        if context > positions:
+            raise ConfigError("rollout.max_context_tokens",
+                              f"must be <= model.max_position_embeddings ({positions}) of {cfg.model.hf_config}: "
+                              f"every episode and designer sample grows up to it; got {context}")
     row = p.max_tokens_per_gpu // p.tensor * p.tensor if p.sequence_parallel else p.max_tokens_per_gpu
     if context > row:
         raise ConfigError("parallel.max_tokens_per_gpu",
