@@ -35,7 +35,7 @@ class VLLMEngine(ServerEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # requests name the model each server serves (whatever --served-model-name it was started with)
-        self._served_names = {id(server): server.request("GET", "/v1/models", timeout_s=30.0)["data"][0]["id"]
+        self._served_names = {server.url: server.request("GET", "/v1/models", timeout_s=30.0)["data"][0]["id"]
                               for server in self.servers}
 
     @classmethod
@@ -74,7 +74,7 @@ class VLLMEngine(ServerEngine):
     def _payload(self, server: Server, request: GenerationRequest) -> dict[str, Any]:
         sampling = request.sampling
         body: dict[str, Any] = {
-            "model": self._served_names[id(server)], "prompt": list(request.prompt_ids),
+            "model": self._served_names[server.url], "prompt": list(request.prompt_ids),
             "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0,
             "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "stop_token_ids": self._stop_ids(request), "ignore_eos": False, "skip_special_tokens": False,
