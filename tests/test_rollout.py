@@ -324,7 +324,9 @@ def test_context_limit_must_fit_the_model_and_the_trainers_rows(engine, pool, to
     with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(4096\)") as error:
         config("rollout.max_context_tokens=8192")
     assert error.value.path == "rollout.max_context_tokens"
-    assert load_config().rollout.max_context_tokens == 32768  # the defaults are consistent
+    defaults = load_config()  # the defaults are consistent: positions and rows hold the reference 32768-token context
+    assert defaults.rollout.max_context_tokens == 32768
+    Rollout(defaults, engine, pool, PromptBuilder.from_config(defaults, tokenizer))
 
     rows = config("parallel.max_tokens_per_gpu=2048")  # the trainer refuses a sample longer than a row
     with pytest.raises(ConfigError, match=r"rollout.max_context_tokens \(4096\)") as error:

@@ -78,7 +78,7 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     context: int = 1
     recompute: Literal["none", "selective", "full"] = "none"
-    max_tokens_per_gpu: int = 8192
+    max_tokens_per_gpu: int = 32768  # one micro-batch row; holds a whole sample (up to rollout.max_context_tokens)
 
     def check(self) -> None:
         _positive("parallel", self, "tensor", "expert", "expert_tensor", "pipeline", "virtual_pipeline",
