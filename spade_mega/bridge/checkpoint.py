@@ -82,7 +82,9 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
 
 
 def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[str, list[str]]], total: int) -> None:
-    """Name the shards ``-of-N``, write the index and config.json, and move the folder into place."""
+    """Name the shards ``-of-N``, write the index and config.json, and move the folder into place once its files are
+    on disk (a machine crash must not leave a folder under the name whose shards were still in the page cache)."""
+    from spade_mega.megatron.checkpoint import _fsync, _fsync_tree
     from spade_mega.megatron.providers import hf_config_dict
 
     weight_map = {}
@@ -93,9 +95,11 @@ def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[s
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     (staging / "config.json").write_text(json.dumps(hf_config_dict(trainer.model_cfg), indent=2) + "\n")
+    _fsync_tree(staging)
     if folder.exists():
         folder.rmdir()
     os.replace(staging, folder)
+    _fsync(folder.parent)
 
 
 class HFCheckpoint:

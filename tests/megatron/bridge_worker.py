@@ -13,6 +13,7 @@ and .pt files that tests/megatron/test_bridge.py compares; nothing is asserted h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -114,6 +115,24 @@ def rank0() -> bool:
     return dist.get_rank() == 0
 
 
+@contextlib.contextmanager
+def fsynced_paths():
+    """The paths os.fsync is called on meanwhile (the real fsync runs): what a save made durable before returning."""
+    import os
+
+    real, synced = os.fsync, []
+
+    def fsync(fd) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
+        real(fd)
+
+    os.fsync = fsync
+    try:
+        yield synced
+    finally:
+        os.fsync = real
+
+
 def scenario_reference(args) -> None:
     import torch
 
@@ -129,7 +148,9 @@ def scenario_reference(args) -> None:
         torch.save(torch.cat(trainer.logits([probe()])), args.out / f"reference_{model}_logits.pt")
         torch.save(export_of(trainer)[0], args.out / f"reference_{model}_export.pt")
         step = trainer.train_step([probe()])
-        save_hf(trainer, args.out / f"trained_{model}", bucket_mb=BUCKET_MB)
+        with fsynced_paths() as synced:
+            save_hf(trainer, args.out / f"trained_{model}", bucket_mb=BUCKET_MB)
+        (args.out / f"trained_{model}_fsynced.json").write_text(json.dumps(synced))
         again = None
         try:  # never over an existing checkpoint
             save_hf(trainer, args.out / f"trained_{model}")

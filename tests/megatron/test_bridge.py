@@ -94,6 +94,20 @@ def test_saved_checkpoint_is_a_complete_hugging_face_folder(reference: Path) -> 
     assert not list(reference.glob(".*partial*")), "no staging folder is left behind"
 
 
+def test_a_saved_checkpoint_is_on_disk_before_it_has_its_name(reference: Path) -> None:
+    """A crash of the machine right after save_hf must not leave a folder that looks complete with shards the disk
+    never got: every file and the staging folder are flushed before the rename, the parent folder after it."""
+    for model in MODELS:
+        folder = reference / f"trained_{model}"
+        synced = json.loads((reference / f"trained_{model}_fsynced.json").read_text())
+        staging = [Path(p) for p in synced if Path(p).name.startswith(f".{folder.name}.partial-")]
+        assert len(staging) == 1, synced
+        files = {Path(p).name for p in synced if Path(p).parent == staging[0]}
+        assert files == {p.name for p in folder.iterdir()}
+        assert synced.index(str(staging[0])) > max(synced.index(str(staging[0] / f)) for f in files)
+        assert synced[-1] == str(reference)
+
+
 def test_convert_cli_round_trip(reference: Path) -> None:
     assert json.loads((reference / "reference.json").read_text())["cli"] == [0, 0]
     original, converted = checkpoint(reference / "hf_moe"), checkpoint(reference / "cli_hf")
