@@ -262,6 +262,7 @@ def test_directive_values_with_spaces_or_hashes_stay_one_option() -> None:
     ('launch.log_dir="logs\\ntouch pwned"', "launch.log_dir"),
     ('run.name="spade\\ntouch pwned"', "run.name"),
     ("launch.log_dir='logs-%j'", "launch.log_dir"),  # sbatch expands it in --output, the script's LOG_DIR does not
+    ("launch.job_name=team/spade", "launch.job_name"),  # the job's files are log_dir/JOB_NAME-ID.*
 ])
 def test_directive_values_that_would_break_the_script_are_refused(override: str, key: str) -> None:
     """A newline would end the #SBATCH line: the rest would run as a shell command, before any directive after it
@@ -296,6 +297,22 @@ def test_setup_lines_run_without_set_u(tmp_path: Path) -> None:
     assert script.index("set +u") < script.index("source activate.sh") < script.index("set -u\n")
 
 
+def test_a_config_the_script_cannot_write_stops_the_job_before_any_step(tmp_path: Path) -> None:
+    """Without the resolved config on disk the trainer would start on a missing (or, on a full disk, cut short and
+    still loadable) file: the script stops, naming the file."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\necho srun ran >> srun.log\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    (tmp_path / "logs").write_text("a file where the log folder should be\n")
+    (tmp_path / "job.sbatch").write_text(render())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**env, "SLURM_JOB_ID": "5", "SLURM_JOB_NAME": "j",
+                                 "PATH": f"{tmp_path / 'bin'}:{env['PATH']}"})
+    assert result.returncode != 0 and "cannot write the resolved config logs/j-5.yaml" in result.stderr
+    assert not (tmp_path / "srun.log").exists()
+
+
 def test_in_process_engine_starts_no_servers() -> None:
     script = render("launch.gpus_per_node=1", path=TINY)
     assert "launch.node serve" not in script and "--engines" not in script and script.count('"${SRUN[@]}"') == 1
@@ -305,7 +322,7 @@ def test_in_process_engine_starts_no_servers() -> None:
 def test_embedded_config_is_the_resolved_config(tmp_path: Path) -> None:
     cfg = recipe("selfplay.num_rollouts=7", "launch.nodes=2", "inference.weight_sync_dir=/shared/sync")
     script = render_sbatch(cfg, RECIPE)
-    embedded = script.split(f"<<'{CONFIG_DELIMITER}'\n")[1].split(f"\n{CONFIG_DELIMITER}\n")[0]
+    embedded = script.split(f"<<'{CONFIG_DELIMITER}'")[1].split("\n", 1)[1].split(f"\n{CONFIG_DELIMITER}\n")[0]
     (tmp_path / "c.yaml").write_text(embedded)
     assert to_dict(load_config(tmp_path / "c.yaml")) == to_dict(cfg)
 

@@ -73,6 +73,9 @@ def _directives(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
     comment there)."""
     launch = cfg.launch
     job_name = _directive_value("launch.job_name" if launch.job_name else "run.name", plan.job_name)
+    if "/" in job_name:
+        raise ConfigError("launch.job_name", f"must not contain '/': the job's files are log_dir/JOB_NAME-ID.*, got "
+                                             f"{job_name!r}")
     log_dir = _directive_value("launch.log_dir", launch.log_dir)
     if "%" in log_dir:
         raise ConfigError("launch.log_dir", f"must not contain '%': sbatch expands it in the job's --output file, "
@@ -205,7 +208,8 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
         f"LOG_DIR={_q(launch.log_dir)}",
         'mkdir -p "$LOG_DIR"',
         'CONFIG="$LOG_DIR/${SLURM_JOB_NAME}-${SLURM_JOB_ID}.yaml"',
-        f"cat > \"$CONFIG\" <<'{CONFIG_DELIMITER}'",
+        f"cat > \"$CONFIG\" <<'{CONFIG_DELIMITER}' || "
+        '{ echo "spade-mega: cannot write the resolved config $CONFIG" >&2; exit 1; }',
         resolved.rstrip("\n"),
         CONFIG_DELIMITER,
         "",
