@@ -210,6 +210,24 @@ def test_weights_saved_by_transformers_round_trip(cfg, tmp_path, moe, tied):
         assert torch.equal(loaded.model(input_ids=ids).logits, want)
 
 
+def test_a_tied_model_takes_the_embedding_whatever_order_the_head_copy_comes_in(cfg):
+    """A tied checkpoint may store a head that differs from its embedding; the bridge loads the embedding into the
+    trainer, so the engine serves it too, also when the head comes in a later bucket (the last shard, where it
+    usually is: the head used to overwrite the embedding there)."""
+    model = type(cfg.model)(**{**vars(cfg.model), "num_experts": 0, "tie_embeddings": True})
+    engine = make_engine(model)
+    weights = saved_weights(build_hf_model(model, dtype=torch.float32, device=torch.device("cpu")))
+    embedding = weights["model.embed_tokens.weight"]
+    head = {"lm_head.weight": torch.randn_like(embedding)}
+    for buckets in ([weights, head], [head, weights]):
+        engine.update_weights(buckets, version=1)
+        assert torch.equal(engine.model.get_input_embeddings().weight, embedding)
+        assert torch.equal(engine.model.get_output_embeddings().weight, embedding)
+    engine.update_weights([{n: t for n, t in weights.items() if n != "model.embed_tokens.weight"},
+                           {"lm_head.weight": embedding * 2}], version=2)  # a head alone stands for the embedding
+    assert torch.equal(engine.model.get_input_embeddings().weight, embedding * 2)
+
+
 def test_a_failed_update_refuses_generation_until_a_complete_one(cfg):
     engine = make_engine(cfg.model)
     weights = saved_weights(engine.model)

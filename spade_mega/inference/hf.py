@@ -158,8 +158,10 @@ class HFEngine:
                         if tuple(tensor.shape) != tuple(view.shape):
                             raise EngineError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's "
                                               f"is {tuple(view.shape)}")
-                        checked.append((canonical, view, tensor))
-                    for canonical, view, tensor in checked:
+                        checked.append((name, canonical, view, tensor))
+                    for name, canonical, view, tensor in checked:
+                        if name != canonical and canonical not in missing:
+                            continue  # a tied head after its embedding: the embedding wins (what the bridge loads)
                         started = True
                         view.copy_(tensor)
                         missing.discard(canonical)
