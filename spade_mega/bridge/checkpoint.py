@@ -63,8 +63,8 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
             name = f"model-{i + 1:05d}.safetensors"
             try:
                 save_file({k: v.cpu() for k, v in bucket.items()}, str(staging / name), metadata={"format": "pt"})
-            except OSError as exc:
-                error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
+            except Exception as exc:  # safetensors reports I/O errors as its own type, not OSError
+                error = f"cannot write the checkpoint {folder}: {getattr(exc, 'strerror', None) or exc}"
             files.append((name, list(bucket)))
             total += sum(v.numel() * v.element_size() for v in bucket.values())
             if progress is not None:

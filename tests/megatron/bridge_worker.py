@@ -186,6 +186,24 @@ def engine_logits(engine):
     return torch.cat([torch.zeros_like(logits[:1]), logits[:-1]])
 
 
+def save_with_vanishing_folder(folder: Path, trainer) -> str:
+    """save_hf whose staging folder is deleted on rank 0 after the first shard (a real write failure, which
+    safetensors reports as its own error type, not OSError); returns what this rank raised."""
+    import shutil
+
+    from spade_mega.bridge import save_hf
+
+    def vanish(_: int) -> None:
+        for staging in folder.parent.glob(f".{folder.name}.partial-*"):
+            shutil.rmtree(staging)
+
+    try:
+        save_hf(trainer, folder, bucket_mb=BUCKET_MB, progress=vanish if rank0() else None)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
 def scenario_layouts(args) -> None:
     """Per layout: load_hf, logits, export; then sync_weights into a real in-process HFEngine on rank 0. The first
     layout first loads a checkpoint of another architecture and syncs into an engine of another architecture (dense),
@@ -223,6 +241,7 @@ def scenario_layouts(args) -> None:
                 result["export_refused"] = f"{type(exc).__name__}: {exc}"
             if rank0():
                 result["engine_version_after_export_refused"] = engine.weight_version
+            result["write_failed"] = save_with_vanishing_folder(args.out / "vanishing", trainer)
         stats = sync_weights(trainer, engine, version=7, bucket_mb=0.1)
         result["sync"] = {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
         if rank0():
@@ -230,7 +249,7 @@ def scenario_layouts(args) -> None:
             torch.save(result, args.out / f"{name}.pt")
         elif i == 0:
             (args.out / f"{name}_refused_rank{torch.distributed.get_rank()}.json").write_text(
-                json.dumps({k: result[k] for k in ("refused", "load_refused", "export_refused")}))
+                json.dumps({k: result[k] for k in ("refused", "load_refused", "export_refused", "write_failed")}))
 
 
 def main() -> None:

@@ -166,6 +166,19 @@ def test_an_export_that_cannot_start_fails_every_rank_before_the_engine_sees_it(
     assert result["engine_version"] == 7  # and the same ranks synced afterwards
 
 
+def test_a_shard_that_cannot_be_written_fails_every_rank_by_name(layouts: Path) -> None:
+    """safetensors reports a failed write as its own error type: rank 0 must still drain the transfer (the other
+    ranks are sending) and every rank raise the checkpoint's error, with nothing left under the name."""
+    first = list(LAYOUTS)[0]
+    folder = layouts / "vanishing"
+    on_rank0 = torch.load(layouts / f"{first}.pt")["write_failed"]
+    on_rank1 = json.loads((layouts / f"{first}_refused_rank1.json").read_text())["write_failed"]
+    assert on_rank0.startswith(f"BridgeError: cannot write the checkpoint {folder}: "), on_rank0
+    assert "No such file or directory" in on_rank0
+    assert on_rank1 == on_rank0.replace("BridgeError: ", "BridgeError: rank 0: ", 1)
+    assert not folder.exists() and not list(layouts.glob(".vanishing.partial-*"))
+
+
 def test_a_checkpoint_of_another_architecture_is_refused_on_every_rank(layouts: Path) -> None:
     first = list(LAYOUTS)[0]
     for message in (torch.load(layouts / f"{first}.pt")["load_refused"],
