@@ -313,6 +313,14 @@ def test_a_config_the_script_cannot_write_stops_the_job_before_any_step(tmp_path
     assert not (tmp_path / "srun.log").exists()
 
 
+def test_engine_logs_are_appended_across_requeues_like_the_jobs_own() -> None:
+    """srun truncates its --output by default (JobFileAppend=0): a requeued job would wipe the engine logs of the
+    attempt before, while the job's own log is appended (--open-mode=append)."""
+    engine = render().split('"${SRUN[@]}" ')[1].split(" \\\n")[0].split()
+    assert '--output="$LOG_DIR/%x-%j-engines-%N.out"' in engine and "--open-mode=append" in engine
+    assert "--open-mode=append" in directives(render())
+
+
 def test_in_process_engine_starts_no_servers() -> None:
     script = render("launch.gpus_per_node=1", path=TINY)
     assert "launch.node serve" not in script and "--engines" not in script and script.count('"${SRUN[@]}"') == 1

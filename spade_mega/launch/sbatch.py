@@ -109,7 +109,7 @@ def _engine_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
     argv = [cfg.launch.python, "-m", "spade_mega.launch.node", "serve", "--servers", str(e.servers_per_node),
             "--gpus-per-server", str(e.gpus_per_server), "--", *e.command]
     step = ["--overlap", f"--nodes={e.nodes}", f"--ntasks={e.nodes}", "--ntasks-per-node=1",
-            f"--relative={e.first_node}", f'--output="$LOG_DIR/%x-%j-engines-%N.out"']
+            f"--relative={e.first_node}", f'--output="$LOG_DIR/%x-%j-engines-%N.out"', "--open-mode=append"]
     return [
         f"# Engine servers ({e.placement}, {where}): {_n(e.servers_per_node, e.engine + ' server')} of "
         f"{_n(e.gpus_per_server, 'GPU')} on each of {_n(e.nodes, 'node')}, ports from {e.port}, logs in $LOG_DIR.",
