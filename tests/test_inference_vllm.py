@@ -138,6 +138,10 @@ def test_sglang_payload_asks_for_token_ids_logprobs_and_the_stop_ids(model_folde
         reply = {"text": "", "meta_info": {"finish_reason": {"type": "stop", "matched": EOS},
                                            "output_token_logprobs": [[-0.5, 72, None], [-1.25, EOS, None]]}}
         assert engine._parse(reply) == ([72, EOS], [-0.5, -1.25], "stop")
+        # SGLang checks the length limit first: a stop token as the last allowed token is still a stop
+        req = request("Hi", max_new_tokens=2, stop_token_ids=(10,))
+        assert [engine._finish_reason(req, ids, "length") for ids in ([72, EOS], [72, 10], [72, 11])] == \
+            ["stop", "stop", "length"]
         command = SGLangEngine.server_command("py", "/m", host="h", port=5, tensor_parallel=2, dtype="bfloat16",
                                               max_model_len=64, extra_args=["--ep-size", "2"])
         assert command[:3] == ["py", "-m", "sglang.launch_server"] and command[-2:] == ["--ep-size", "2"]
@@ -238,6 +242,9 @@ def test_vllm_stop_token_ends_the_completion_and_is_included(vllm):
     stopped = vllm.generate([request(PROMPTS[1], max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,))])[0]
     assert stopped.finish_reason == "stop" and stopped.output_ids == free.output_ids[:cut]
     assert stopped.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-5)
+    # the stop token as the last allowed token: a stop
+    last = vllm.generate([request(PROMPTS[1], max_new_tokens=cut, temperature=0.0, stop_token_ids=(stop,))])[0]
+    assert last.output_ids == stopped.output_ids and last.finish_reason == "stop"
 
 
 @pytest.mark.engine

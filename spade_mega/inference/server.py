@@ -414,9 +414,15 @@ class ServerEngine(ABC):
             raise EngineError(f"{what}: the reply has {len(output_ids)} tokens and {len(logprobs)} log-probs")
         if finish_reason not in ("stop", "length"):
             raise EngineError(f"{what}: the server ended it with finish reason {finish_reason!r}")
+        finish_reason = self._finish_reason(request, output_ids, finish_reason)
         return Generation(prompt_ids=tuple(request.prompt_ids), output_ids=tuple(int(t) for t in output_ids),
                           logprobs=tuple(float(x) for x in logprobs), finish_reason=finish_reason,
                           weight_version=self._version)
+
+    def _finish_reason(self, request: GenerationRequest, output_ids: Sequence[int], reason: str) -> str:
+        """"stop" whenever a stop token ends the completion: SGLang checks the length limit before the stop tokens,
+        so a stop token as the last allowed token comes back as "length" there."""
+        return "stop" if reason == "length" and int(output_ids[-1]) in self._stop_ids(request) else reason
 
     def _stop_ids(self, request: GenerationRequest) -> list[int]:
         return [self.eos_token_id, *(t for t in request.sampling.stop_token_ids if t != self.eos_token_id)]
