@@ -154,6 +154,14 @@ def test_engine_ports_must_not_collide_with_the_rendezvous(overrides: list[str],
     assert plan_launch(recipe("launch.master_port=30000", *separate)).engines.first_node == 1  # other nodes: fine
 
 
+@pytest.mark.parametrize("args", ["[--port, '31000']", "['--port=31000']", "[--host, 127.0.0.1]"])
+def test_server_args_may_not_move_the_servers_address(args: str) -> None:
+    """The launcher gives each server of a node its own port (engine_port and up) and tells the trainer where they
+    are; a --port in server_args comes later and wins, so every server of a node would take the same one."""
+    error = config_error(f"inference.server_args={args}")
+    assert error.path == "inference.server_args" and "launch.engine_port" in error.message
+
+
 def test_minimal_world_size_is_the_smallest_world_both_grids_tile() -> None:
     assert minimal_world_size(recipe()) == 8  # TP4 and ETP1 x EP8
     assert minimal_world_size(recipe("parallel.expert_tensor=2")) == 16

@@ -73,6 +73,11 @@ def server_command(cfg: SpadeConfig, gpus: int, colocated: bool) -> tuple[str, .
     if not inf.hf_weights:
         raise ConfigError("inference.hf_weights", f"must name the Hugging Face folder the {engine} servers load at "
                                                   "start (on a file system every engine node sees)")
+    for arg in inf.server_args:
+        if arg.split("=")[0] in ("--port", "--host"):
+            raise ConfigError("inference.server_args", f"must not set {arg.split('=')[0]}: the launcher gives each "
+                                                       "server of a node its own port from launch.engine_port and "
+                                                       "tells the trainer where they are")
     if engine == "sglang":
         from spade_mega.inference.sglang import SGLangEngine as cls
     else:
