@@ -366,6 +366,17 @@ def test_cli_writes_the_script_and_submit_without_sbatch_says_so(tmp_path: Path,
     assert err[-1] == f"spade-mega: error: sbatch not found on PATH: submit {out} from a SLURM login node"
 
 
+def test_cli_will_not_write_the_script_over_a_file_it_did_not_render(tmp_path: Path, capsys) -> None:
+    """-o naming the config itself (or any other file) would replace it with the script: refused, the file kept."""
+    config = tmp_path / "games.yaml"
+    config.write_text((ROOT / RECIPE).read_text())
+    original = config.read_text()
+    assert cli_main(["launch", "slurm", str(config), "-o", str(config)]) == 2
+    assert config.read_text() == original
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{config} exists and is not a script rendered by spade-mega" in err
+
+
 def test_cli_refuses_a_world_the_layout_does_not_fit(capsys) -> None:
     assert cli_main(["launch", "slurm", str(ROOT / RECIPE), "launch.gpus_per_node=6", "-o", "-"]) == 2
     err = capsys.readouterr().err.strip()

@@ -16,6 +16,22 @@ class SubmitError(SpadeError):
     """sbatch is missing or refused the job."""
 
 
+def _check_overwrite(target: Path) -> None:
+    """Re-rendering replaces an earlier script; any other file (the config itself, given as -o) is kept."""
+    from spade_mega.launch.sbatch import RENDERED_BY
+
+    try:
+        with target.open("rb") as existing:
+            head = existing.read(4096).decode(errors="replace")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SubmitError(f"cannot write the script to {target}: {exc.strerror or exc}") from None
+    if RENDERED_BY not in head:
+        raise SubmitError(f"{target} exists and is not a script rendered by spade-mega launch slurm: give another "
+                          "-o FILE (or remove it first)")
+
+
 def _slurm(args: argparse.Namespace) -> int:
     from spade_mega.launch.sbatch import render_sbatch
 
@@ -28,6 +44,7 @@ def _slurm(args: argparse.Namespace) -> int:
         sys.stdout.write(script)
         return 0
     target = Path(args.output or f"{job}.sbatch")
+    _check_overwrite(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(script)

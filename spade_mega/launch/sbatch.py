@@ -23,6 +23,7 @@ from spade_mega.config.schema import SpadeConfig
 from spade_mega.launch.plan import LaunchPlan, plan_launch
 
 CONFIG_DELIMITER = "SPADE_MEGA_RESOLVED_CONFIG"
+RENDERED_BY = "rendered by `spade-mega launch slurm`"  # in the header: a file the CLI may overwrite when re-rendering
 TRAIN_PROGRAM = ("-m", "spade_mega.cli", "train")  # run by every rank; global rank 0 owns the rollout
 
 
@@ -187,7 +188,7 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
     lines += [f"#SBATCH {d}" for d in _directives(cfg, plan)]
     lines += [
         "#",
-        f"# spade-mega run {cfg.run.name!r}, rendered by `spade-mega launch slurm` from {source}.",
+        f"# spade-mega run {cfg.run.name!r}, {RENDERED_BY} from {source}.",
         f"# Trainer {plan.layout.describe()} on {plan.train_nodes} x {launch.gpus_per_node} GPUs; rollout engine: "
         f"{engine}.",
         "# The resolved config is embedded below: re-render this file after changing the config, do not edit it.",
