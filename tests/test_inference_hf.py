@@ -291,6 +291,13 @@ def test_bad_sampling_params_are_refused_by_name(fields, match):
         SamplingParams(**{"max_new_tokens": 4, **fields})
 
 
+@pytest.mark.parametrize("stops,match", [((512,), r"\[512\] are outside the vocabulary \[0, 512\)"),
+                                         (("<|im_end|>",), r"\['<\|im_end\|>'\] .* are not token ids \(Python ints\)")])
+def test_bad_stop_token_ids_name_the_request(engine, stops, match):
+    with pytest.raises(EngineError, match=r"request 0: stop token ids " + match):
+        engine.generate([request("fine", max_new_tokens=2, stop_token_ids=stops)])
+
+
 def test_an_engine_this_build_lacks_is_reported_unavailable(cfg):
     lacking = type(cfg)(**{**vars(cfg), "rollout": type(cfg.rollout)(**{**vars(cfg.rollout), "engine": "trtllm"})})
     with pytest.raises(EngineError, match="rollout.engine 'trtllm' is unavailable"):

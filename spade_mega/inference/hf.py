@@ -203,9 +203,10 @@ class HFEngine:
         if bad:
             raise EngineError(f"request {i}: prompt entries {bad[:5]} are not token ids of the vocabulary "
                               f"[0, {self.vocab_size}) (Python ints)")
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in sampling.stop_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise EngineError(f"request {i}: stop token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+            raise EngineError(f"request {i}: stop token ids {bad} are outside the vocabulary [0, {self.vocab_size}) "
+                              "or are not token ids (Python ints)")
         if len(prompt) + sampling.max_new_tokens > self.max_positions:
             raise EngineError(f"request {i}: prompt ({len(prompt)} tokens) + max_new_tokens "
                               f"({sampling.max_new_tokens}) exceeds the model's max_position_embeddings "
