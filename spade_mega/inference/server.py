@@ -19,6 +19,7 @@ size in RAM during the update.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import weakref
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -98,6 +99,26 @@ def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
             continue
 
 
+def _die_with_parent() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that has the kernel SIGTERM the server when the process that starts it dies, however it dies
+    (torchrun SIGTERMs the other ranks when one fails, a user may kill -9 a run: neither runs exit hooks, and the
+    server, in a session of its own, would outlive us holding its memory). Linux only; the signal goes when the
+    starting *thread* exits, so servers are started from the main thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: the child only calls it
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def child() -> None:
+        prctl(1, sigterm)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), sigterm)
+
+    return child
+
+
 class Server:
     """A running inference server: one this process started (``process``, ``log_path``) or one it attached to."""
 
@@ -124,7 +145,7 @@ class Server:
             try:
                 process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
-                                           start_new_session=True)
+                                           start_new_session=True, preexec_fn=_die_with_parent())
             except OSError as exc:
                 if own_log:
                     log_path.unlink(missing_ok=True)
@@ -156,7 +177,7 @@ class Server:
                                   f"it (pip install 'spade-mega[{self.name.lower()}]') or set "
                                   f"inference.server_python{self.log_tail()}")
             try:
-                self.request("GET", health_path, timeout_s=5.0)
+                self.request("GET", health_path, timeout_s=5.0, json_reply=False)  # any 200 is healthy
                 log.info("%s server at %s healthy after %.1f s", self.name, self.url, time.monotonic() - start)
                 return
             except EngineError:
@@ -168,9 +189,10 @@ class Server:
             time.sleep(0.5)
 
     def request(self, method: str, path: str, body: Optional[Mapping[str, Any]] = None, *,
-                timeout_s: float) -> Any:
-        """The JSON reply of ``method path`` (None for an empty body). Error statuses raise :class:`HTTPStatusError`;
-        a server that does not answer raises :class:`EngineError` saying whether its process is still alive."""
+                timeout_s: float, json_reply: bool = True) -> Any:
+        """The JSON reply of ``method path`` (None for an empty body, or with ``json_reply`` False). Error statuses
+        raise :class:`HTTPStatusError`; a server that does not answer raises :class:`EngineError` saying whether its
+        process is still alive, one that answers something else than JSON an :class:`EngineError` quoting it."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -180,14 +202,19 @@ class Server:
         except urllib.error.HTTPError as exc:  # a 5xx is the server's own failure: its log says why
             tail = self.log_tail() if exc.code >= 500 else ""
             raise HTTPStatusError(exc.code, _error_message(exc.read()) + tail) from None
-        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-            reason = getattr(exc, "reason", exc)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut short
+            reason = getattr(exc, "reason", None) or repr(exc)
             state = ""
             if self.process is not None and self.process.poll() is not None:
                 state = f"; the server exited with status {self.process.returncode}{self.log_tail()}"
             raise EngineError(f"{self.name} server at {self.url} did not answer {method} {path} ({reason}){state}") \
                 from None
-        return json.loads(raw) if raw.strip() else None
+        try:
+            return json.loads(raw) if json_reply and raw.strip() else None
+        except ValueError:
+            raise EngineError(f"{self.name} server at {self.url} answered {method} {path} with something that is "
+                              f"not JSON (is it a {self.name} server?): "
+                              f"{raw[:200].decode('utf-8', errors='replace')!r}") from None
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
@@ -443,7 +470,11 @@ class ServerEngine(ABC):
             try:
                 self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
                                   len(self.servers))
-            except EngineError as exc:
+            except BaseException as exc:  # the servers hold what they loaded: the folder only costs RAM now
+                shutil.rmtree(folder, ignore_errors=True)
+                if not isinstance(exc, EngineError):
+                    self._broken = f"reloading weights version {version} was interrupted ({type(exc).__name__})"
+                    raise
                 self._broken = f"reloading weights version {version} failed ({exc})"
                 raise EngineError(f"{self.name} engine: {self._broken}") from None
             previous, self._served_dir = self._served_dir, folder

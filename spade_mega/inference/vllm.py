@@ -34,9 +34,20 @@ class VLLMEngine(ServerEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # requests name the model each server serves (whatever --served-model-name it was started with)
-        self._served_names = {server.url: server.request("GET", "/v1/models", timeout_s=30.0)["data"][0]["id"]
-                              for server in self.servers}
+        try:  # requests name the model each server serves (whatever --served-model-name it was started with)
+            self._served_names = {server.url: self._served_name(server) for server in self.servers}
+        except BaseException:
+            self.close()  # its staging folder (a started server is stopped by launch, an attached one stays)
+            raise
+
+    @staticmethod
+    def _served_name(server: Server) -> str:
+        reply = server.request("GET", "/v1/models", timeout_s=30.0)
+        try:
+            return str(reply["data"][0]["id"])
+        except (KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"vLLM server at {server.url}: GET /v1/models lists no model ({type(exc).__name__}: "
+                              f"{exc}): {str(reply)[:300]}") from None
 
     @classmethod
     def server_command(cls, python: str, model_dir: str, *, host: str, port: int, tensor_parallel: int, dtype: str,
