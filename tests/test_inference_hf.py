@@ -228,6 +228,21 @@ def test_a_tied_model_takes_the_embedding_whatever_order_the_head_copy_comes_in(
     assert torch.equal(engine.model.get_input_embeddings().weight, embedding * 2)
 
 
+def test_a_bfloat16_engine_computes_what_transformers_bfloat16_model_does(cfg):
+    """Rotary frequencies stay float32 in a bfloat16 model, as transformers and Megatron keep them: cast to bfloat16
+    (off by up to 2**-9) the angles drift by a radian by position 3,000, away from what the trainer computes."""
+    import transformers
+
+    engine = make_engine(cfg.model, dtype="bfloat16")
+    torch.manual_seed(5)
+    reference = transformers.AutoModelForCausalLM.from_config(engine.model.config, dtype=torch.bfloat16).eval()
+    engine.update_weights([saved_weights(reference)], version=1)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 3000), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+
+
 def test_a_failed_update_refuses_generation_until_a_complete_one(cfg):
     engine = make_engine(cfg.model)
     weights = saved_weights(engine.model)

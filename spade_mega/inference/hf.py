@@ -45,17 +45,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def build_hf_model(model: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """transformers' model of ``model`` (random init), in eval mode: Qwen3MoeForCausalLM or Qwen3ForCausalLM."""
+    """transformers' model of ``model`` (random init), in eval mode: Qwen3MoeForCausalLM or Qwen3ForCausalLM.
+
+    Built in ``dtype`` by transformers itself, which keeps the rotary frequencies float32 as Megatron does (a
+    ``.to(bfloat16)`` rounded them, and the angles drifted with the position) and never holds a float32 copy."""
     import transformers
 
     hf = hf_config_dict(model)
     hf.pop("torch_dtype")
-    moe = hf["model_type"] == "qwen3_moe"
-    config_cls = transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config
-    model_cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
-    config = config_cls(**hf)
+    config_cls = transformers.Qwen3MoeConfig if hf["model_type"] == "qwen3_moe" else transformers.Qwen3Config
     with torch.device(device):
-        net = model_cls(config).to(dtype)
+        net = transformers.AutoModelForCausalLM.from_config(config_cls(**hf), dtype=dtype)
     return net.eval().requires_grad_(False)
 
 
@@ -66,7 +66,7 @@ class HFEngine:
     (never attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``. A request
     without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible. Each
     request samples from its own generator, so in float32 its completion does not depend on the batch; in bfloat16
-    the logits do (to ~1e-4 in log-prob on the tiny model), so a seeded sample can differ between batches."""
+    the logits do, slightly (kernels are not batch-invariant), so a seeded sample can differ between batches."""
 
     def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
                  device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
