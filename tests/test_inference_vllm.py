@@ -105,6 +105,24 @@ def test_a_server_not_healthy_in_time_is_stopped_and_the_error_quotes_its_log(tm
     alive = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
     assert not alive  # the server and its worker: the whole process group is gone
 
+def test_a_server_that_exits_while_starting_takes_its_workers_along(tmp_path):
+    """vLLM and SGLang start worker processes (engine core, TP ranks) in the server's process group: when the server
+    itself dies while starting (a crash, the OOM killer), the workers left in its group must go too."""
+    import psutil
+
+    marker = f"orphan-worker-{tmp_path.name}"
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(600)', "
+            f"'{marker}']); time.sleep(1); print('engine core crashed', flush=True); raise SystemExit(3)")
+    with pytest.raises(EngineError, match=r"exited with status 3[\s\S]*engine core crashed"):
+        Server.start("vLLM", [sys.executable, "-c", code], port=1, health_path="/health", timeout_s=60,
+                     log_path=tmp_path / "s.log")
+    alive = [p for p in psutil.process_iter(["cmdline", "status"])
+             if marker in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    assert not alive  # the worker went with the group
+
 
 def test_a_missing_server_python_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

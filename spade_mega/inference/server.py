@@ -84,19 +84,24 @@ def _error_message(body: bytes) -> str:
 
 
 def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the server's process group, SIGKILL it after ``grace_s``; the group is the one we created for it."""
-    if process.poll() is not None:
-        return
+    """SIGTERM the server's process group, SIGKILL what is left of it after ``grace_s``; the group is the one we
+    created for it. The whole group, even when the server itself has exited: its workers (vLLM's engine core, TP
+    ranks) outlive a server that crashed or was OOM-killed. The group's id stays the server's pid while any member
+    lives (Linux reuses neither), so signalling it never reaches another process."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(process.pid, sig)
-        except ProcessLookupError:
+        except ProcessLookupError:  # nobody left in the group
+            process.poll()
             return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            process.poll()  # reaps the server: a zombie leader would keep the group "alive"
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def _die_with_parent() -> Optional[Callable[[], None]]:
