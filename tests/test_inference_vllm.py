@@ -279,6 +279,46 @@ def test_a_reply_that_is_not_json_is_an_engine_error_naming_the_call(model_folde
         httpd.shutdown()
         httpd.server_close()
 
+def test_a_restarted_server_appends_to_its_log(tmp_path):
+    """A resumed run starts its server on the same run_dir/<engine>-server.log: what the previous server wrote (why
+    it died, say) stays, and the error quotes the new lines."""
+    log_path = tmp_path / "vllm-server.log"
+    log_path.write_text("previous attempt: CUDA out of memory\n")
+    command = [sys.executable, "-c", "print('second attempt', flush=True); raise SystemExit(1)"]
+    with pytest.raises(EngineError, match="second attempt"):
+        Server.start("vLLM", command, port=1, health_path="/health", timeout_s=30, log_path=log_path)
+    assert log_path.read_text().splitlines() == ["previous attempt: CUDA out of memory", "second attempt"]
+
+
+class _CutShortHandler(_OneReplyHandler):
+    """Promises a longer body than it sends, then closes: a server that died in the middle of its reply."""
+
+    def _reply(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b'{"meta_info": ')
+        self.wfile.flush()
+        self.close_connection = True
+
+
+def test_a_reply_cut_short_is_an_engine_error_naming_the_request(model_folder):
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutShortHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    engine = SGLangEngine([Server("SGLang", f"http://127.0.0.1:{httpd.server_address[1]}")], model_folder,
+                          eos_token_id=EOS)
+    try:
+        expected = r"SGLang request 0 \(.*\): .*did not answer POST /generate \(IncompleteRead"
+        with pytest.raises(EngineError, match=expected):
+            engine.generate([request("Hi", max_new_tokens=2)] * 2)
+    finally:
+        engine.close()
+        httpd.shutdown()
+        httpd.server_close()
+
 
 def test_a_started_server_goes_when_the_process_that_started_it_is_killed(tmp_path):
     """torchrun stops the other ranks with SIGTERM when one fails, and a user may kill -9 a run: neither runs the

@@ -146,7 +146,7 @@ class Server:
             os.close(handle)
             log_path = Path(raw)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as log_file:
+        with open(log_path, "ab") as log_file:  # a restarted server (a resumed run) keeps the earlier lines
             try:
                 process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT,
                                            stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
