@@ -319,6 +319,38 @@ def test_a_reply_cut_short_is_an_engine_error_naming_the_request(model_folder):
         httpd.shutdown()
         httpd.server_close()
 
+class _SlowHandler(_OneReplyHandler):
+    """A completion that takes 15 s (a long designer program)."""
+
+    def _reply(self):
+        time.sleep(15)
+        super()._reply()
+
+
+def test_ctrl_c_during_generate_does_not_wait_for_the_completions_in_flight(model_folder):
+    """Ctrl-C in a rollout raises at once; it used to wait for every request in flight to finish (up to
+    inference.request_timeout_s each) before the caller could stop the server."""
+    import http.server
+    import signal
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    engine = SGLangEngine([Server("SGLang", f"http://127.0.0.1:{httpd.server_address[1]}")], model_folder,
+                          eos_token_id=EOS, request_timeout_s=60)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # what Ctrl-C sends
+    try:
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate([request("Hi", max_new_tokens=2)] * 3)
+        assert time.monotonic() - start < 10  # not the 15 s the server takes
+    finally:
+        timer.cancel()
+        engine.close()
+        httpd.shutdown()
+        httpd.server_close()
+
 
 def test_a_started_server_goes_when_the_process_that_started_it_is_killed(tmp_path):
     """torchrun stops the other ranks with SIGTERM when one fails, and a user may kill -9 a run: neither runs the

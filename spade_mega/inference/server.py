@@ -414,12 +414,19 @@ class ServerEngine(ABC):
     @staticmethod
     def _in_parallel(fn: Any, items: Sequence[tuple], workers: int) -> list:
         """``fn(*item)`` for every item on up to ``workers`` threads, results in order; the first error cancels
-        what has not started and is raised once the running calls are done."""
+        what has not started and is raised once the running calls are done. An interrupt (Ctrl-C) is raised at
+        once: the calls in flight may take minutes, and stopping the server (close) is what ends them."""
         pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))), thread_name_prefix="spade-engine")
         try:
-            return list(pool.map(lambda item: fn(*item), items))
-        finally:
+            results = list(pool.map(lambda item: fn(*item), items))
+        except Exception:
             pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        return results
 
     def _check_request(self, index: int, request: GenerationRequest) -> None:
         if not request.prompt_ids:
