@@ -565,6 +565,24 @@ def test_attaching_needs_the_served_folder_and_a_shared_sync_dir_for_remote_serv
     with pytest.raises(ConfigError, match=r"inference.server_urls\[0\]"):
         cfg.check()
 
+def test_a_served_folder_that_is_not_a_checkpoint_is_a_config_error_before_any_server(model_folder, tmp_path):
+    """inference.hf_weights is checked first: a typo used to start a server on it (about a minute on CPU before it
+    failed, with a hint to install vLLM) or wait startup_timeout_s for servers that were never going to match."""
+    from spade_mega.config.errors import ConfigError
+    from spade_mega.inference.vllm import VLLMEngine
+
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    shutil.copy(model_folder / "model.safetensors", no_config)
+    for urls in ([], ["http://127.0.0.1:1"]):
+        cfg = SpadeConfig()
+        cfg.inference.server_urls, cfg.inference.startup_timeout_s = urls, 2
+        cfg.inference.server_python = str(tmp_path / "never-started")
+        for folder, why in ((tmp_path / "missing", "is not a folder"), (no_config, "has no config.json")):
+            cfg.inference.hf_weights = str(folder)
+            with pytest.raises(ConfigError, match=f"inference.hf_weights.*{why}"):
+                VLLMEngine.from_config(cfg, TOK)
+
 
 @pytest.mark.engine
 def test_vllm_failed_reload_stops_generation_until_a_complete_update(vllm, weights):

@@ -375,6 +375,14 @@ class ServerEngine(ABC):
                       request_timeout_s=inf.request_timeout_s, startup_timeout_s=inf.startup_timeout_s,
                       weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None)
         urls = list(inf.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
+        if inf.hf_weights:  # before any server is started or waited for
+            folder = Path(inf.hf_weights)
+            problem = ("is not a folder" if not folder.is_dir() else
+                       "has no config.json" if not (folder / "config.json").is_file() else
+                       "has no *.safetensors weights" if not any(folder.glob("*.safetensors")) else None)
+            if problem:
+                raise ConfigError("inference.hf_weights", f"{folder} {problem}: it must be the Hugging Face "
+                                                          f"folder (safetensors) the {cls.name} servers serve")
         if urls:
             if not inf.hf_weights:
                 raise ConfigError("inference.hf_weights", f"must name the Hugging Face folder the {cls.name} servers "
