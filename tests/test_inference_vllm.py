@@ -235,6 +235,27 @@ def test_a_failed_reload_leaves_no_staged_folder_behind(model_folder, tmp_path):
     finally:
         engine.close()
 
+def test_a_weight_update_that_does_not_fit_its_staging_folder_is_an_engine_error(model_folder):
+    """A Qwen3-30B update is 60 GB: /dev/shm (half the RAM by default) or a weight_sync_dir can fill up, a shared
+    one can go away. The write error (here: the folder removed under the engine) is an EngineError naming the folder
+    and the setting, not safetensors' own exception, and nothing staged stays behind."""
+    weights = load_file(str(model_folder / "model.safetensors"))
+    names = sorted(weights)
+    engine = _NoServerSGLang(model_folder)
+
+    def buckets():
+        yield {n: weights[n] for n in names[:3]}
+        (folder,) = list(engine._sync_root.iterdir())
+        shutil.rmtree(folder)
+        yield {n: weights[n] for n in names[3:]}
+
+    try:
+        with pytest.raises(EngineError, match=r"cannot stage weight update 1 in .*inference.weight_sync_dir"):
+            engine.update_weights(buckets(), 1)
+        assert engine.weight_version == 0 and not any(engine._sync_root.iterdir())
+    finally:
+        engine.close()
+
 
 class _OneReplyHandler(__import__("http.server").server.BaseHTTPRequestHandler):
     """Answers every request with 200 and a body that is not JSON (a web page, a proxy's 'OK')."""

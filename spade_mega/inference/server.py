@@ -505,10 +505,14 @@ class ServerEngine(ABC):
     def _stage(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> Path:
         """Check every bucket and write it as one safetensors file of a new folder beside the served config files;
         any problem removes the folder and raises before the server is asked to load anything."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         folder = self._sync_root / f"v{version}-{time.monotonic_ns()}"
-        folder.mkdir(parents=True)
+        try:
+            folder.mkdir(parents=True)
+        except OSError as exc:
+            raise self._staging_error(version, folder, exc) from None
         try:
             seen: set[str] = set()
             for number, bucket in enumerate(buckets):
@@ -528,7 +532,11 @@ class ServerEngine(ABC):
                     seen.add(name)
                     tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
                 if tensors:
-                    save_file(tensors, str(folder / f"bucket-{number:05d}.safetensors"), metadata={"format": "pt"})
+                    try:
+                        save_file(tensors, str(folder / f"bucket-{number:05d}.safetensors"),
+                                  metadata={"format": "pt"})
+                    except (OSError, SafetensorError) as exc:  # safetensors raises its own for I/O errors
+                        raise self._staging_error(version, folder, exc) from None
             missing = sorted(set(self._weights) - seen)
             if missing:
                 raise EngineError(f"{self.name} engine: weight update {version} leaves out {len(missing)} of the "
@@ -536,11 +544,19 @@ class ServerEngine(ABC):
                                   "update must cover every weight")
             for path in self.model_dir.iterdir():  # config, tokenizer, generation config: a complete HF folder
                 if path.is_file() and not path.name.endswith(_WEIGHT_FILE_SUFFIXES):
-                    shutil.copy2(path, folder / path.name)
+                    try:
+                        shutil.copy2(path, folder / path.name)
+                    except OSError as exc:
+                        raise self._staging_error(version, folder, exc) from None
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return folder
+
+    def _staging_error(self, version: int, folder: Path, exc: BaseException) -> EngineError:
+        return EngineError(f"{self.name} engine: cannot stage weight update {version} in {folder} ({exc}); it needs "
+                           "room for the whole model: set inference.weight_sync_dir to a folder that has it (and "
+                           "that the servers see)")
 
     @abstractmethod
     def _reload(self, server: Server, folder: Path, version: int) -> None:
