@@ -506,6 +506,7 @@ def test_vllm_weight_update_serves_exactly_the_new_weights(vllm, weights, model_
     names = sorted(new)
     vllm.update_weights([{n: new[n] for n in names[:5]}, {n: new[n] for n in names[5:]}], version=1)
     assert vllm.weight_version == 1
+    assert not any(vllm._sync_root.iterdir())  # loaded: the staged copy no longer holds the model's size in RAM
     after = vllm.generate(greedy)
     assert [g.output_ids for g in after] != [g.output_ids for g in before]
     new_model = hf_model(new, model_folder)

@@ -14,7 +14,7 @@ the one path both servers offer over plain HTTP for a trainer in another process
 GPU and the server's own Python packages in the trainer). Every bucket is checked against the served checkpoint's
 names and shapes before anything is written, and the update must cover every weight: the server never sees a
 partial or misnamed update. The folder lives in /dev/shm when it can (memory, not disk), so it costs the model's
-size in RAM during the update.
+size in RAM during the update; it goes once the servers have loaded it (or failed to).
 """
 
 from __future__ import annotations
@@ -313,7 +313,6 @@ class ServerEngine(ABC):
         root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir)
         root.mkdir(parents=True, exist_ok=True)
         self._sync_root = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root)) if self._own_sync_root else root
-        self._served_dir: Optional[Path] = None  # the staged folder the servers now serve from
         self._version = 0
         self._broken: Optional[str] = None  # why the served weights are unknown (a reload failed part way)
         self._lock = threading.Lock()
@@ -490,16 +489,14 @@ class ServerEngine(ABC):
             try:
                 self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
                                   len(self.servers))
-            except BaseException as exc:  # the servers hold what they loaded: the folder only costs RAM now
-                shutil.rmtree(folder, ignore_errors=True)
+            except BaseException as exc:
                 if not isinstance(exc, EngineError):
                     self._broken = f"reloading weights version {version} was interrupted ({type(exc).__name__})"
                     raise
                 self._broken = f"reloading weights version {version} failed ({exc})"
                 raise EngineError(f"{self.name} engine: {self._broken}") from None
-            previous, self._served_dir = self._served_dir, folder
-            if previous is not None:
-                shutil.rmtree(previous, ignore_errors=True)
+            finally:  # the servers hold what they loaded: the folder would only cost the model's size in RAM
+                shutil.rmtree(folder, ignore_errors=True)
             self._version, self._broken = version, None
 
     def _stage(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> Path:
@@ -567,11 +564,8 @@ class ServerEngine(ABC):
     def close(self) -> None:
         for server in self.servers:
             server.stop()
-        if self._own_sync_root:
+        if self._own_sync_root:  # a shared weight_sync_dir holds nothing of ours by now
             shutil.rmtree(self._sync_root, ignore_errors=True)
-        elif self._served_dir is not None:  # a shared weight_sync_dir keeps only what others put there
-            shutil.rmtree(self._served_dir, ignore_errors=True)
-            self._served_dir = None
 
     def __enter__(self) -> "ServerEngine":
         return self
