@@ -224,6 +224,7 @@ def test_a_failed_reload_leaves_no_staged_folder_behind(model_folder, tmp_path):
 
     shared = tmp_path / "shared"
     engine = Interrupted(model_folder)
+    engine._sync_root.rmdir()
     engine._sync_root, engine._own_sync_root = shared, False
     shared.mkdir()
     try:
