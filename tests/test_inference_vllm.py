@@ -9,6 +9,7 @@ request."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -170,6 +171,11 @@ def test_sglang_payload_asks_for_token_ids_logprobs_and_the_stop_ids(model_folde
         reply = {"text": "", "meta_info": {"finish_reason": {"type": "stop", "matched": EOS},
                                            "output_token_logprobs": [[-0.5, 72, None], [-1.25, EOS, None]]}}
         assert engine._parse(reply) == ([72, EOS], [-0.5, -1.25], "stop")
+        # an abort says why: the EngineError quotes it
+        reply["meta_info"]["finish_reason"] = {"type": "abort", "message": "The input (5000 tokens) is longer than "
+                                                                          "the model's context length (4096 tokens)"}
+        assert engine._parse(reply)[2] == "abort: The input (5000 tokens) is longer than the model's context length " \
+                                          "(4096 tokens)"
         # SGLang checks the length limit first: a stop token as the last allowed token is still a stop
         req = request("Hi", max_new_tokens=2, stop_token_ids=(10,))
         assert [engine._finish_reason(req, ids, "length") for ids in ([72, EOS], [72, 10], [72, 11])] == \
@@ -340,6 +346,36 @@ def test_a_reply_cut_short_is_an_engine_error_naming_the_request(model_folder):
         engine.close()
         httpd.shutdown()
         httpd.server_close()
+
+
+class _AbortHandler(_OneReplyHandler):
+    """SGLang's reply to a request it aborted (no tokens; the reason in finish_reason)."""
+
+    def _reply(self):
+        body = json.dumps({"text": "", "meta_info": {"output_token_logprobs": [], "finish_reason": {
+            "type": "abort", "message": "The input (5000 tokens) is longer than the model's context length"}}})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+
+def test_an_aborted_sglang_request_is_an_engine_error_saying_why(model_folder):
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AbortHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    engine = SGLangEngine([Server("SGLang", f"http://127.0.0.1:{httpd.server_address[1]}")], model_folder,
+                          eos_token_id=EOS)
+    try:
+        with pytest.raises(EngineError, match=r"SGLang request 0 .*abort: The input \(5000 tokens\) is longer"):
+            engine.generate([request("Hi", max_new_tokens=2)])
+    finally:
+        engine.close()
+        httpd.shutdown()
+        httpd.server_close()
+
 
 class _SlowHandler(_OneReplyHandler):
     """A completion that takes 15 s (a long designer program)."""

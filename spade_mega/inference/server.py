@@ -456,10 +456,10 @@ class ServerEngine(ABC):
             output_ids, logprobs, finish_reason = self._parse(reply)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EngineError(f"{what}: unexpected reply ({type(exc).__name__}: {exc}): {str(reply)[:300]}") from None
+        if finish_reason not in ("stop", "length"):  # first: an aborted request has no tokens, the reason says why
+            raise EngineError(f"{what}: the server ended it with finish reason {finish_reason!r}")
         if len(output_ids) != len(logprobs) or not output_ids:
             raise EngineError(f"{what}: the reply has {len(output_ids)} tokens and {len(logprobs)} log-probs")
-        if finish_reason not in ("stop", "length"):
-            raise EngineError(f"{what}: the server ended it with finish reason {finish_reason!r}")
         finish_reason = self._finish_reason(request, output_ids, finish_reason)
         return Generation(prompt_ids=tuple(request.prompt_ids), output_ids=tuple(int(t) for t in output_ids),
                           logprobs=tuple(float(x) for x in logprobs), finish_reason=finish_reason,

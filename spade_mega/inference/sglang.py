@@ -57,7 +57,10 @@ class SGLangEngine(ServerEngine):
     def _parse(self, reply: Any) -> tuple[list[int], list[float], str]:
         meta = reply["meta_info"]
         entries = meta["output_token_logprobs"]
-        return [entry[1] for entry in entries], [entry[0] for entry in entries], meta["finish_reason"]["type"]
+        reason = meta["finish_reason"]
+        kind = reason["type"] if reason.get("type") in ("stop", "length") or not reason.get("message") else \
+            f"{reason['type']}: {reason['message']}"  # an abort's message says why
+        return [entry[1] for entry in entries], [entry[0] for entry in entries], kind
 
     def _reload(self, server: Server, folder: Any, version: int) -> None:
         reply = server.request("POST", "/update_weights_from_disk",
