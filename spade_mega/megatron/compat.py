@@ -17,6 +17,9 @@ Rules:
   patched behaviour is right; the multi-process tests check the numerics end to end. docs/megatron.md says how to
   read a failure after an upgrade.
 
+:func:`install` also silences the deprecation notices megatron-core's own calls raise (``_UPSTREAM_DEPRECATIONS``):
+they are for its authors, and a run printed them at every optimizer step.
+
 :func:`install` must run before ``megatron.core.pipeline_parallel`` is first imported (see ``paged_stash``): every
 function of :mod:`spade_mega.megatron` that imports megatron-core calls it first (importing the package does not).
 """
@@ -29,9 +32,11 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import logging
 import re
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -646,8 +651,35 @@ def install() -> dict[str, str]:
         if evidence:
             shim.apply()
             applied[shim.name] = evidence
+    _quiet_upstream_deprecations()
     _installed = applied
     return dict(applied)
+
+
+# Deprecation notices that megatron-core's own calls raise: they ask megatron-core's authors, not our users, to act,
+# and a run printed them at every optimizer step (the distributed optimizer's collectives) and at the first save.
+_UPSTREAM_DEPRECATIONS = (
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+)
+_UPSTREAM_LOG_NOTICES = {
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+}
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _quiet_upstream_deprecations() -> None:
+    for message in _UPSTREAM_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for name, prefix in _UPSTREAM_LOG_NOTICES.items():
+        logging.getLogger(name).addFilter(_DropNotice(prefix))
 
 
 def installed() -> dict[str, str]:

@@ -107,3 +107,32 @@ def test_gloo_still_rejects_uneven_all_gather(tmp_path: Path) -> None:
     assert "REJECTED" in proc.stdout and "ACCEPTED" not in proc.stdout, (
         f"gloo now gathers uneven tensors: the uneven_collectives shim can be deleted\n{proc.stdout}{proc.stderr[-2000:]}")
 
+
+
+def test_megatron_cores_deprecated_calls_are_quiet_and_other_warnings_are_not(tmp_path: Path) -> None:
+    """A run printed torch's deprecation of the collectives megatron-core's distributed optimizer calls at every step;
+    after install() those notices are gone, while our own FutureWarnings still show."""
+    code = textwrap.dedent("""
+        import logging, os, warnings, torch, torch.distributed as dist
+        from spade_mega.megatron import compat
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        compat.install()
+        out = torch.empty(2)
+        dist.all_gather_into_tensor(out, torch.ones(2))
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2))
+        logging.basicConfig()
+        logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").warning("MCore's async save is deprecated")
+        warnings.warn("ours", FutureWarning)
+        dist.destroy_process_group()
+    """)
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(worker_env(), PORT=str(port))
+    proc = subprocess.run([sys.executable, "-W", "always::FutureWarning", "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "deprecated" not in proc.stderr, proc.stderr[-2000:]
+    assert "FutureWarning: ours" in proc.stderr
