@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +328,29 @@ def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) ->
     manifest = json.loads((store.latest() / "spade_checkpoint.json").read_text())
     assert manifest["world_size"] == 2 and manifest["layout"].endswith("DP2")
     assert store.read_state(store.latest()).rollout == 2
+
+
+@pytest.mark.multiproc
+def test_a_failure_on_rank_zero_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone builds the actor and plays; when that fails (here: its rollout refuses a context longer than a
+    trainer row), the other ranks stop at once with rank 0's error (exit 2, one line). Ranks started by srun directly
+    (launch.launcher srun: no torchrun agent to stop them) waited in their next collective for rank 0: over gloo they
+    died with a 'connection closed by peer' traceback once rank 0 exited, over NCCL only at the collective timeout."""
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={tmp_path}", *E2E, *isolation,
+                               "parallel.max_tokens_per_gpu=1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT,
+                              env={**ONE_THREAD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
+             for rank in (0, 1)]
+    try:
+        errors = [proc.communicate(timeout=180)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [2, 2], errors
+    assert "parallel.max_tokens_per_gpu" in errors[0]
+    assert "rank 0 failed, so rank 1 stops too" in errors[1] and "parallel.max_tokens_per_gpu" in errors[1], errors[1]

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale
 from spade_mega.curriculum.skills import SkillRegistry, SkillScheduler
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
+from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.train import StepResult, Trainer
@@ -55,6 +56,12 @@ from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches,
 from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
 
 log = logging.getLogger("spade_mega.selfplay")
+T = TypeVar("T")
+
+
+class RankZeroError(SpadeError):
+    """Rank 0 (which alone runs the actor) failed; raised on the other ranks, naming rank 0's error."""
+
 
 # train-step metrics that add up over the optimizer steps of a rollout; the others are averaged
 _SUMMED = ("loss_tokens", "tokens", "step_time_s", "micro_batches", "samples_agent", "samples_designer")
@@ -379,6 +386,10 @@ class SelfPlay:
                               "from; check run.output_dir and run.name, or use run.resume: auto")
         return latest
 
+    def _start_actor(self) -> "_Actor":
+        prepare_run_dir(self.cfg)
+        return _Actor(self.cfg, self.run_dir)
+
     def run(self) -> RunSummary:
         cfg = self.cfg
         setup_logging(cfg.logging)
@@ -386,10 +397,7 @@ class SelfPlay:
             checkpoint = self._checkpoint_to_resume()
             state = self.store.read_state(checkpoint) if checkpoint is not None else None
             trainer = Trainer(cfg, total_steps=self._steps_estimate())
-            rank = dist.get_rank()
-            if rank == 0:
-                prepare_run_dir(cfg)
-            actor = _Actor(cfg, self.run_dir) if rank == 0 else None
+            actor = _from_rank0(self._start_actor, share=False)
             try:
                 return self._run(trainer, actor, checkpoint, state, stop)
             finally:
@@ -426,8 +434,7 @@ class SelfPlay:
                 as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
             for r in range(start + 1, total + 1):
                 began = time.perf_counter()
-                payload = actor.rollout(r) if actor is not None else None
-                samples, values = _broadcast(payload)
+                samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
                 values["time/rollout_s"] = time.perf_counter() - began
                 values.update(self._train(trainer, samples, r))
                 synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
@@ -490,18 +497,31 @@ class SelfPlay:
             self.store.prune_states()
 
 
-Payload = tuple[list[TrainSample], dict[str, float]]
-
-
-def _broadcast(payload: Optional[Payload]) -> Payload:
-    """Rank 0's samples and metrics on every rank (the trainer takes the same global batch everywhere); pickled
-    between the job's own ranks, never from a sandbox worker."""
-    box = [payload]
+def _from_rank0(make: Callable[[], T], *, share: bool) -> Optional[T]:
+    """``make()`` run on rank 0 alone (the actor: engine, sandbox, memory, rollout), its value on every rank with
+    ``share`` (each rollout's samples and metrics: the trainer takes the same global batch everywhere), else None
+    elsewhere. Every rank calls it. A failure there is raised on every rank, naming rank 0's error: the other ranks
+    would otherwise wait in their next collective for rank 0 (over NCCL until the collective timeout; over gloo until
+    rank 0's exit closed the connection, then a raw traceback). Pickled between the job's own
+    ranks, never from a sandbox worker."""
+    value: Optional[T] = None
+    error: Optional[Exception] = None
+    if dist.get_rank() == 0:
+        try:
+            value = make()
+        except Exception as exc:  # raised below, after the other ranks know
+            error = exc
     if dist.get_world_size() > 1:
+        box = [(None if error is None else f"{type(error).__name__}: {error}", value if share else None)]
         dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        raise RuntimeError("rank 0 sent no rollout (its actor is missing)")
-    return box[0]
+        failure, shared = box[0]
+        if failure is not None and error is None:
+            raise RankZeroError(f"rank 0 failed, so rank {dist.get_rank()} stops too: {failure}")
+        if share:
+            value = shared
+    if error is not None:
+        raise error
+    return value
 
 
 def run(cfg: SpadeConfig) -> RunSummary:
