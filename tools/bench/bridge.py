@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,8 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import _jobs as jobs  # noqa: E402  (after the path set-up of a script run)
 
 TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -98,16 +98,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(nproc: int, argv: list[str]) -> dict[str, Any]:
-    script = str(Path(__file__).resolve())
-    command = [sys.executable, script, "--worker", *argv] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-         "--worker", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"benchmark job failed ({' '.join(command)}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return jobs.launch(str(Path(__file__).resolve()), nproc, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

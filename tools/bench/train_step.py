@@ -20,9 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import _jobs as jobs  # noqa: E402  (after the path set-up of a script run)
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_30B = ROOT / "examples/hf/qwen3_30b_a3b/config.json"
@@ -125,19 +125,8 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(nproc: int, argv: list[str]) -> dict[str, float]:
-    script = str(Path(__file__).resolve())
-    if nproc == 1:
-        command = [sys.executable, script, "--worker", *argv]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-                   "--worker", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"benchmark job failed ({' '.join(command)}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+def launch(nproc: int, argv: list[str]) -> dict[str, Any]:
+    return jobs.launch(str(Path(__file__).resolve()), nproc, argv)
 
 
 def gpu_layer_impl() -> list[str]:
