@@ -8,6 +8,16 @@ import subprocess
 import sys
 from typing import Any
 
+TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+# the parallel layouts the multi-process benchmarks time: name -> (ranks, config overrides)
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "tp1": (1, []),
+    "tp2_sp": (2, TP2_SP),
+    "ep2": (2, ["parallel.expert=2"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "tp2_ep2": (4, [*TP2_SP, "parallel.expert=2"]),
+}
+
 
 def launch(script: str, nproc: int, argv: list[str]) -> dict[str, Any]:
     """Run ``script --worker ARGV`` on ``nproc`` ranks (one torch thread each) and return the JSON its rank 0

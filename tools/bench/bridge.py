@@ -26,13 +26,7 @@ if __package__ in (None, ""):  # run as a script
 
 from tools.bench import _jobs as jobs  # noqa: E402  (after the path set-up of a script run)
 
-TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "tp1": (1, []),
-    "tp2_sp": (2, TP2_SP),
-    "ep2": (2, ["parallel.expert=2"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-}
+LAYOUTS = {name: jobs.LAYOUTS[name] for name in ("tp1", "tp2_sp", "ep2", "pp2")}
 MODEL = ["model.num_layers=4", "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
          "model.kv_channels=64", "model.num_experts=8", "model.moe_ffn_hidden_size=512", "model.vocab_size=32000"]
 

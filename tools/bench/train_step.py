@@ -33,14 +33,7 @@ from tools.bench import _jobs as jobs  # noqa: E402  (after the path set-up of a
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_30B = ROOT / "examples/hf/qwen3_30b_a3b/config.json"
-TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "tp1": (1, []),
-    "tp2_sp": (2, TP2_SP),
-    "ep2": (2, ["parallel.expert=2"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-    "tp2_ep2": (4, [*TP2_SP, "parallel.expert=2"]),
-}
+LAYOUTS = jobs.LAYOUTS
 DENSE_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # per GPU, without sparsity
 
 
