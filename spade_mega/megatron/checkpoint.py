@@ -338,15 +338,36 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
     return final
 
 
-def _note_schedule_changes(trainer: "Trainer", saved: dict[str, Any], path: Path) -> None:
-    """Say which values of the learning-rate schedule this run changes: the config's apply (Trainer's scheduler
-    overrides the checkpoint's), the checkpoint gives only the step count."""
+# The scheduler's saved values under the config names that set them (the scheduler is built from the config).
+_SCHEDULE_NAMES = {"max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "lr_warmup_steps": "optimizer.warmup_steps",
+                   "lr_decay_style": "optimizer.lr_schedule", "start_wd": "optimizer.weight_decay",
+                   "lr_decay_steps": "lr_decay_steps"}
+
+
+def _apply_configured_hyperparameters(trainer: "Trainer", saved_schedule: dict[str, Any], path: Path) -> None:
+    """The config wins over the checkpoint for every optimizer hyper-parameter (Megatron's
+    ``--override-opt_param-scheduler``): a checkpoint restores the weights, Adam's moments and how far along the
+    schedule the run is, never a setting. Learning rate and weight decay come from the scheduler, which the Trainer
+    built from the config; Adam's betas and eps came back in the checkpoint's parameter groups and are set here. The
+    log names every value that this run changes, so a resumed run's settings are never a silent choice."""
+    opt = trainer.cfg.optimizer
     current = trainer.scheduler.state_dict()
-    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in current.items()
-               if k != "num_steps" and k in saved and saved[k] != v]
+    changed = {name: (saved_schedule[key], current[key]) for key, name in _SCHEDULE_NAMES.items()
+               if key in saved_schedule and saved_schedule[key] != current[key]}
+    configured = {"optimizer.adam_beta1": opt.adam_beta1, "optimizer.adam_beta2": opt.adam_beta2,
+                  "optimizer.adam_eps": opt.adam_eps}
+    for optimizer in _chained(trainer.optimizer):
+        for group in optimizer.optimizer.param_groups:
+            loaded = {"optimizer.adam_beta1": group["betas"][0], "optimizer.adam_beta2": group["betas"][1],
+                      "optimizer.adam_eps": group["eps"]}
+            for name, value in loaded.items():
+                if value != configured[name]:
+                    changed.setdefault(name, (value, configured[name]))
+            group["betas"], group["eps"] = (opt.adam_beta1, opt.adam_beta2), opt.adam_eps
     if changed and dist.get_rank() == 0:
-        log.warning("%s: this run's learning-rate schedule differs from the checkpoint's and replaces it from step "
-                    "%s: %s", path, saved.get("num_steps"), ", ".join(changed))
+        log.warning("%s: this run's optimizer settings differ from the checkpoint's and apply from step %s (the "
+                    "config wins): %s", path, saved_schedule.get("num_steps"),
+                    ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()))
 
 
 def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Path) -> None:
@@ -410,7 +431,7 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
             for optimizer in _chained(trainer.optimizer):
                 optimizer.optimizer.state.clear()
             trainer.optimizer.reload_model_params()
-        _note_schedule_changes(trainer, state["scheduler"], path)
+        _apply_configured_hyperparameters(trainer, state["scheduler"], path)
         trainer.scheduler.num_steps = 0  # Megatron's load adds the saved count to the current one (a rollback)
         trainer.scheduler.load_state_dict(state["scheduler"])
         trainer.step = int(state["step"])

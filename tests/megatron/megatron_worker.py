@@ -9,7 +9,8 @@
              checkpoint and write its full weights (needs one process)
   grpo       one process: GRPO on "a+b=" (one-digit sums) for --steps steps, mean reward per step
   killsave   one process: a complete checkpoint, then a second save that the test kills
-  schedule   one process: a checkpoint loaded by a run configured with another learning-rate schedule
+  schedule   one process: a checkpoint loaded by a run configured with another learning-rate schedule and other
+             Adam hyper-parameters
   compat     which CPU shims install, and their patched behaviours (JSON on stdout)
   single     one process: packing and loss normalisation invariances
   padding    any layout: the MoE load-balancing loss and gradients of a padded row against the unpadded row
@@ -217,14 +218,18 @@ def scenario_schedule(args) -> None:
         first.train_step(make_batch(seed))
     first.save(str(args.out / "schedule"))
     resumed = Trainer(config(["optimizer.lr_schedule=linear", "selfplay.num_rollouts=12", "optimizer.lr=5e-5",
-                              *args.overrides]))
+                              "optimizer.adam_beta1=0.8", "optimizer.adam_beta2=0.95", "optimizer.adam_eps=1e-6",
+                              "optimizer.weight_decay=0.05", *args.overrides]))
     resumed.load(str(args.out / "schedule"))
     resumed.train_step(make_batch(3))
     resumed.load(str(args.out / "schedule"))
     scheduler = resumed.scheduler
+    groups = [g for opt in getattr(resumed.optimizer, "chained_optimizers", [resumed.optimizer])
+              for g in opt.optimizer.param_groups]
     write_json(args.out / "schedule.json", {
         "num_steps": scheduler.num_steps, "lr_decay_steps": scheduler.lr_decay_steps,
-        "lr_decay_style": scheduler.lr_decay_style, "lr": resumed.optimizer.param_groups[0]["lr"]})
+        "lr_decay_style": scheduler.lr_decay_style, "lr": resumed.optimizer.param_groups[0]["lr"],
+        "groups": [{k: g[k] for k in ("betas", "eps", "weight_decay", "wd_mult")} for g in groups]})
 
 
 def scenario_compat(args) -> None:

@@ -201,21 +201,43 @@ def test_non_distributed_optimizer_resumes_in_its_layout_and_a_changed_optimizer
     assert proc.returncode != 0 and "CheckpointError" in last and "optimizer.distributed" in last, last
 
 
-def test_a_resumed_run_follows_its_configured_learning_rate_schedule(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def rescheduled(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The schedule scenario's results and its log (a checkpoint resumed under other optimizer settings)."""
+    from megatron_launch import read_json
+
+    out = tmp_path_factory.mktemp("megatron_schedule")
+    proc = subprocess.run(worker_command(1, "schedule", out), capture_output=True, text=True, env=worker_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_json(out / "schedule.json"), proc.stderr
+
+
+def test_a_resumed_run_follows_its_configured_learning_rate_schedule(rescheduled: tuple[dict, str]) -> None:
     """A run extended from 4 to 12 steps (and given another schedule and learning rate) continues on its own
     schedule from the checkpoint's step, and says what changed. Megatron's default kept the checkpoint's horizon and
     decay style (but the config's learning rate): the extended run decayed to min_lr at step 4 and stopped learning.
     Loading again after a step (a rollback) puts the schedule back at the checkpoint's step: loading added the
     checkpoint's step count to the trainer's own."""
-    from megatron_launch import read_json
-
-    proc = subprocess.run(worker_command(1, "schedule", tmp_path), capture_output=True, text=True, env=worker_env(),
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = read_json(tmp_path / "schedule.json")
+    got, log = rescheduled
     assert (got["num_steps"], got["lr_decay_steps"], got["lr_decay_style"]) == (2, 12, "linear")
     assert got["lr"] == pytest.approx(5e-5 * (1 - 2 / 12), rel=1e-9)  # linear decay over 12 steps, at step 2
-    assert "lr_decay_steps 4 -> 12" in proc.stderr and "lr_decay_style 'cosine' -> 'linear'" in proc.stderr
+    assert "lr_decay_steps 4 -> 12" in log and "optimizer.lr_schedule 'cosine' -> 'linear'" in log
+
+
+def test_a_resumed_run_trains_with_its_configured_adam_hyper_parameters(rescheduled: tuple[dict, str]) -> None:
+    """Adam's betas, eps and weight decay are the config's after a resume, and the log names each one that differs
+    from the checkpoint's: they came back from the checkpoint's parameter groups, silently, so a user who changed
+    optimizer.* and resumed trained with the old values."""
+    got, log = rescheduled
+    groups = got["groups"]
+    assert groups and all(g["betas"] == [0.8, 0.95] and g["eps"] == 1e-6 for g in groups), groups
+    assert {g["weight_decay"] for g in groups} == {0.05 * g["wd_mult"] for g in groups}
+    assert any(g["wd_mult"] > 0 for g in groups)
+    for change in ("optimizer.adam_beta1 0.9 -> 0.8", "optimizer.adam_beta2 0.98 -> 0.95",
+                   "optimizer.adam_eps 1e-08 -> 1e-06", "optimizer.weight_decay 0.0 -> 0.05",
+                   "optimizer.lr 0.0001 -> 5e-05"):
+        assert change in log, (change, log[-3000:])
 
 
 def test_a_file_or_a_manifest_without_an_architecture_is_named(tmp_path: Path) -> None:
