@@ -222,9 +222,15 @@ class LoggingConfig:
     progress: bool = True  # a progress bar when stdout is a terminal
     progress_metrics: list[str] = field(default_factory=lambda: ["agent/return", "designer/regret", "train/loss"])
     level: Literal["debug", "info", "warning", "error"] = "info"
+    # run_dir/rollouts/rollout_<N>.jsonl.gz: every designer output and agent episode as text, with its reward and
+    # advantage (spade-mega rollouts); each text field kept to transcript_max_chars (its head and tail)
+    transcripts: bool = True
+    transcript_max_chars: int = 16000
 
     def check(self) -> None:
         _positive("logging", self, "log_interval")
+        _require(self.transcript_max_chars >= 200, "logging.transcript_max_chars",
+                 f"must be >= 200 (room for a text's head, tail and the cut marker), got {self.transcript_max_chars!r}")
         for i, name in enumerate(self.progress_metrics):
             _require("/" in name.strip("/"), f"logging.progress_metrics[{i}]",
                      f"must be a metric name group/name (e.g. agent/return), got {name!r}")

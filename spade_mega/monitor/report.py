@@ -23,6 +23,7 @@ from typing import Optional
 from spade_mega.config.loader import RESOLVED_NAME
 from spade_mega.errors import SpadeError
 from spade_mega.monitor.records import METRICS_FILE, Record, scan
+from spade_mega.monitor.transcripts import report_section
 
 REPORT_FILE, PLOTS_DIR = "report.html", "plots"
 GROUP_ORDER = ("agent", "designer", "envs", "train", "perf", "gpu")
@@ -223,7 +224,8 @@ def _html(run: Run, figures: list[tuple[str, str, bytes]], summaries: list[Summa
     config = (f"<h2>Config</h2><pre>{e(run.config_text)}</pre>" if run.config_text is not None
               else f"<h2>Config</h2><p>no {RESOLVED_NAME} in the run directory</p>")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{e(run.run_dir.name)}: spade-mega report"
-            f"</title><style>{_STYLE}</style></head><body>{''.join(head)}{''.join(plots)}{table}{config}"
+            f"</title><style>{_STYLE}</style></head><body>{''.join(head)}{''.join(plots)}{table}"
+            f"{report_section(run.run_dir)}{config}"
             "</body></html>\n")
 
 

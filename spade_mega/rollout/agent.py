@@ -187,7 +187,9 @@ class _Lockstep:
             start = len(episode.sequence)
             episode.sequence.append_generated(gen.output_ids, gen.logprobs, gen.weight_version)
             episode.turn_spans.append((start, len(episode.sequence)))
-            answer = decode(self.chat.tokenizer, self.chat.content_ids(gen.output_ids, self.chat.finish_reason(gen)))
+            finish = self.chat.finish_reason(gen)
+            episode.finish_reasons.append(finish)
+            answer = decode(self.chat.tokenizer, self.chat.content_ids(gen.output_ids, finish))
             action = parse_agent_output(answer)
             episode.actions.append(action.text)
             episode.malformed_actions += not action.well_formed

@@ -156,6 +156,7 @@ class AgentEpisode:
     observations: list[str] = field(default_factory=list)  # the first one, then one per successful step
     actions: list[str] = field(default_factory=list)  # parsed from each turn's output, as sent to step()
     malformed_actions: int = 0  # turns whose output had no <action> tag (the whole answer was sent)
+    finish_reasons: list[str] = field(default_factory=list)  # per turn: "stop" or "length" (cut at the budget)
     step_rewards: list[float] = field(default_factory=list)
     terminated: bool = False
     truncated: bool = False  # ended without the environment terminating it: its own truncation, the turn limit,

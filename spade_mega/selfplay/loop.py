@@ -50,10 +50,11 @@ from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.train import StepResult, Trainer
-from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging
+from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging, transcripts
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
 from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
+from spade_mega.selfplay.transcripts import RolloutTranscript
 
 log = logging.getLogger("spade_mega.selfplay")
 T = TypeVar("T")
@@ -119,7 +120,7 @@ class _Actor:
         from spade_mega.rollout import Rollout
         from spade_mega.tokenizer import load_tokenizer
 
-        self.cfg = cfg
+        self.cfg, self.run_dir = cfg, run_dir
         self.closing: list[Any] = []
         try:
             tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -168,12 +169,15 @@ class _Actor:
         if any(discarded.values()):
             log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (replayed "
                      "now)", discarded["environments"], discarded["evaluations"], state.rollout)
+        if transcripts.discard_after(self.run_dir, state.rollout):
+            log.info("transcripts: discarded those of the rollouts after %d (replayed now)", state.rollout)
 
     # --- one rollout ------------------------------------------------------------------------------------------
 
     def rollout(self, r: int) -> tuple[list[TrainSample], dict[str, float]]:
         """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
         metrics: dict[str, float] = {}
+        self.transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
         if (r - 1) % self.cfg.selfplay.regen_interval == 0:
             started = time.perf_counter()
             metrics.update(self.regenerate(r))
@@ -183,12 +187,14 @@ class _Actor:
         metrics.update(play_metrics)
         metrics["time/play_s"] = time.perf_counter() - started
         released = self.buffer.release(r, self.trackers)
+        self.transcript.released(released)
         trajectories += self.designer_trajectories(released, metrics)
+        samples: list[TrainSample] = []
         if trajectories:
-            samples = train_samples(trajectories,
-                                    advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels))
-        else:
-            samples = []
+            values = advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels)
+            samples = train_samples(trajectories, values)
+            self.transcript.settle(trajectories, values)
+        self.transcript.write(self.run_dir)
         metrics["envs/count"] = float(len(self.environments))
         metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
         metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
@@ -224,11 +230,13 @@ class _Actor:
                                        None if report is None or report.reason is None else report.reason.value)
         for i, outcome in enumerate(outcomes):
             seq = outcome.sequence
-            self.buffer.add(DesignerSample(
+            sample = DesignerSample(
                 sample_id=f"r{r}-s{i}", env_id=programs[i].content_hash if i in programs else f"unparsed-r{r}-s{i}",
                 skill=outcome.skill, step=r, policy_version=seq.policy_version or 0, token_ids=seq.token_ids,
                 loss_mask=seq.loss_mask, behaviour_logprobs=seq.behaviour_logprobs, failure=outcome.failure,
-                metadata={"slot": i, "valid": outcome.valid, "rejection": outcome.rejection}))
+                metadata={"slot": i, "valid": outcome.valid, "rejection": outcome.rejection})
+            self.buffer.add(sample)
+            self.transcript.designer_output(outcome, sample, slots[i])
 
         self.environments = []
         seen: set[str] = set()
@@ -293,6 +301,7 @@ class _Actor:
             return [], {}
         batch = self.rollouts.play(plays)
         episodes = batch.episodes
+        self.transcript.episodes(self.environments, episodes)
         trajectories, agent_returns, hint_returns, wins, failures = [], [], [], [], 0
         regrets, by_skill, failed = [], {}, set()
         for e, env in enumerate(self.environments):
@@ -427,6 +436,8 @@ class SelfPlay:
                 log.warning("memory %s: discarded %d environment(s) and %d evaluation(s) of an earlier attempt of "
                             "this run that saved no checkpoint (the run starts over from rollout 1)",
                             actor.memory.path, discarded["environments"], discarded["evaluations"])
+            if transcripts.discard_after(self.run_dir, 0):
+                log.warning("transcripts of an earlier attempt of this run discarded (it saved no checkpoint)")
         sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False

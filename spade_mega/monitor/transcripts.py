@@ -1,0 +1,217 @@
+"""Rollout transcripts: what the model wrote in each rollout, one gzip JSONL file per rollout under the run directory.
+
+``<run dir>/rollouts/rollout_<N:06d>.jsonl.gz`` holds one JSON object per line, one per trajectory of rollout N
+(every agent episode, hint plays included, every designer output, and every designer reward released in that rollout);
+:mod:`spade_mega.selfplay.transcripts` builds them and ``spade-mega rollouts`` prints them. This module only knows the
+files: it writes them atomically (a temporary file, fsync, rename, so a crash never leaves a torn file under the final
+name), reads them back, clips long text fields and discards the rollouts a resumed run plays again.
+"""
+
+from __future__ import annotations
+
+import gzip
+import html
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from spade_mega.errors import SpadeError
+
+TRANSCRIPTS_DIR = "rollouts"
+_NAME = re.compile(r"rollout_(\d{6,})\.jsonl\.gz")
+CUT = "\n[... {n} characters cut ...]\n"
+
+
+class TranscriptError(SpadeError):
+    """A run without transcripts, a rollout that has none, or a transcript file that cannot be read."""
+
+
+def transcript_path(run_dir: str | Path, rollout: int) -> Path:
+    return Path(run_dir) / TRANSCRIPTS_DIR / f"rollout_{rollout:06d}.jsonl.gz"
+
+
+def clip(text: Optional[str], limit: int) -> Optional[str]:
+    """``text`` kept whole up to ``limit`` characters, else its head and tail around a marker saying how much was
+    cut: a long prompt's head holds the instructions, its tail the latest observation, both worth reading."""
+    if text is None or len(text) <= limit:
+        return text
+    keep = max(limit - len(CUT.format(n=len(text))), 2)
+    head = (keep + 1) // 2
+    tail = keep - head
+    return text[:head] + CUT.format(n=len(text) - keep) + text[len(text) - tail:]
+
+
+def write_rollout(run_dir: str | Path, rollout: int, records: Iterable[dict[str, Any]]) -> Path:
+    """Write rollout ``rollout``'s records, replacing any earlier file of that rollout only once complete."""
+    target = transcript_path(run_dir, rollout)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        with open(tmp, "wb") as raw:
+            # mtime 0: the same records give the same bytes (a resumed run's file equals the straight run's)
+            with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as f:
+                for record in records:
+                    f.write(json.dumps(record, ensure_ascii=False, allow_nan=False,
+                                       separators=(",", ":")).encode("utf-8") + b"\n")
+            raw.flush()
+            os.fsync(raw.fileno())
+        tmp.replace(target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return target
+
+
+def rollouts_written(run_dir: str | Path) -> list[int]:
+    """The rollouts that have a transcript file, in order."""
+    folder = Path(run_dir) / TRANSCRIPTS_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name)))
+
+
+def discard_after(run_dir: str | Path, rollout: int) -> list[int]:
+    """Delete the transcripts of rollouts after ``rollout`` (and temporary files a crash left): a resumed run plays
+    those rollouts again. Returns the rollouts deleted."""
+    folder = Path(run_dir) / TRANSCRIPTS_DIR
+    gone = [r for r in rollouts_written(run_dir) if r > rollout]
+    for r in gone:
+        transcript_path(run_dir, r).unlink()
+    if folder.is_dir():
+        for tmp in folder.glob("rollout_*.jsonl.gz.tmp"):
+            tmp.unlink()
+    return gone
+
+
+def read_rollout(run_dir: str | Path, rollout: Optional[int] = None) -> tuple[int, list[dict[str, Any]]]:
+    """The records of ``rollout`` (default: the newest one written) and its number."""
+    if not Path(run_dir).is_dir():
+        raise TranscriptError(f"{run_dir}: no such run directory; give the run's folder (run.output_dir/run.name)")
+    written = rollouts_written(run_dir)
+    if not written:
+        raise TranscriptError(f"{Path(run_dir) / TRANSCRIPTS_DIR}: this run has no rollout transcripts (written "
+                              "from the first rollout on when logging.transcripts is true)")
+    if rollout is None:
+        rollout = written[-1]
+    if rollout not in written:
+        raise TranscriptError(f"{run_dir}: no transcript of rollout {rollout}; the run has rollouts "
+                              f"{_ranges(written)}")
+    path = transcript_path(run_dir, rollout)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return rollout, [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TranscriptError(f"{path}: cannot read this transcript ({type(exc).__name__}: {exc})") from None
+
+
+def _ranges(values: list[int]) -> str:
+    """``1-4, 7`` for [1, 2, 3, 4, 7]."""
+    parts, start = [], values[0]
+    for prev, cur in zip(values, values[1:] + [None]):
+        if cur is None or cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
+# --- reading for people: the CLI viewer and the report -----------------------------------------------------------
+
+
+def score(record: dict[str, Any]) -> Optional[float]:
+    """What ranks a record for --best/--worst: its advantage when it was trained on, else its reward (a hint play's,
+    a masked designer reward's), None while a designer output waits for its reward."""
+    if record.get("trained") and record.get("advantage") is not None:
+        return float(record["advantage"])
+    return None if record.get("reward") is None else float(record["reward"])
+
+
+def _find(run_dir: str | Path, rollout: Optional[int], kind: str, ids: set[str]) -> dict[str, dict[str, Any]]:
+    """The designer records of ``kind`` with these ids in rollout ``rollout``'s file, if it was written."""
+    if rollout is None or not ids or not transcript_path(run_dir, rollout).is_file():
+        return {}
+    return {r["id"]: r for r in read_rollout(run_dir, rollout)[1]
+            if r.get("role") == "designer" and r.get("kind") == kind and r.get("id") in ids}
+
+
+def designer_entries(run_dir: str | Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A rollout's designer records, one entry per designer output: its output record, merged with its reward
+    record (from the rollout that released it), so that a program reads beside its regret. The outputs written in
+    this rollout come first, then the rewards released in it for outputs of earlier rollouts."""
+    outputs = {r["id"]: r for r in records if r.get("role") == "designer" and r.get("kind") == "output"}
+    order = list(outputs)
+    rewards = {r["id"]: r for r in records if r.get("role") == "designer" and r.get("kind") == "reward"}
+    for rollout in {r.get("reward_rollout") for r in outputs.values() if r["id"] not in rewards}:
+        rewards.update(_find(run_dir, rollout, "reward", {i for i in outputs if i not in rewards}))
+    for rollout in {r.get("output_rollout") for r in rewards.values() if r["id"] not in outputs}:
+        outputs.update(_find(run_dir, rollout, "output", {i for i in rewards if i not in outputs}))
+    order = list(dict.fromkeys(order + list(rewards)))
+    entries = []
+    for i in order:
+        reward = rewards.get(i, {})
+        merged = {**outputs.get(i, {}), **{k: v for k, v in reward.items() if k not in ("kind", "rollout")}}
+        merged.update(kind="design", output_rollout=outputs.get(i, reward).get("rollout"),
+                      reward_rollout=reward.get("rollout", outputs.get(i, {}).get("reward_rollout")),
+                      released=bool(reward))
+        entries.append(merged)
+    return entries
+
+
+def select(run_dir: str | Path, records: list[dict[str, Any]], role: Optional[str] = None,
+           env: Optional[str] = None, order: Optional[str] = None) -> list[dict[str, Any]]:
+    """The records to show: agent episodes and designer entries (:func:`designer_entries`), of ``role`` only if
+    given, of the environment ``env`` (a prefix of its id, its group env<i>, or a library program's name) only if
+    given, ranked by :func:`score` for ``order`` "best" or "worst" (unscored ones last), else in rollout order."""
+    chosen = [] if role == "designer" else [r for r in records if r.get("role") == "agent"]
+    if role != "agent":
+        chosen += designer_entries(run_dir, records)
+    if env is not None:
+        chosen = [r for r in chosen if str(r.get("env_id", "")).startswith(env) or env in (r.get("group"),
+                                                                                              r.get("env_name"))]
+    if order is not None:
+        sign = -1.0 if order == "best" else 1.0
+        chosen.sort(key=lambda r: (score(r) is None, sign * (score(r) or 0.0)))
+    return chosen
+
+
+REPORT_CHARS = 3000  # per text field in the report
+
+
+def report_section(run_dir: str | Path) -> str:
+    """The report's look at the newest rollout: its highest- and lowest-advantage agent episodes and its best designer
+    output, as escaped HTML ("" for a run without transcripts)."""
+    if not rollouts_written(run_dir):
+        return ""
+    try:
+        rollout, records = read_rollout(run_dir)
+        agents = select(run_dir, records, "agent", order="best")
+        designers = select(run_dir, records, "designer", order="best")
+    except TranscriptError as exc:
+        return f"<h2>Rollout transcripts</h2><p class='problems'>{html.escape(str(exc))}</p>"
+    trained = [r for r in agents if r.get("trained")] or agents
+    picks = ([("highest-advantage agent episode", trained[0]), ("lowest-advantage agent episode", trained[-1])]
+             if trained else []) + ([("best designer output", designers[0])] if designers else [])
+    parts = [f"<h2 id='transcripts'>Rollout transcripts</h2><p>Rollout {rollout} "
+             f"({html.escape(str(transcript_path(run_dir, rollout).name))}; all of them: <code>spade-mega rollouts "
+             f"{html.escape(str(run_dir))}</code>)</p>"]
+    for title, record in picks:
+        facts = ", ".join(f"{k} {html.escape(str(record.get(k)))}" for k in
+                          ("id", "skill", "env_id", "reward", "advantage", "trained") if record.get(k) is not None)
+        if record.get("role") == "agent":
+            text = "\n\n".join([f"[prompt]\n{record.get('prompt')}"] + [
+                f"[turn {t}, step reward {turn.get('reward')}]\n{turn.get('reply')}\n[observation]\n"
+                f"{turn.get('observation')}" for t, turn in enumerate(record.get("turns") or [], 1)])
+        else:
+            text = (f"[reply]\n{record.get('reply')}" if record.get("program") is None else
+                    f"[program]\n{record.get('program')}\n\n[hint]\n{record.get('hint')}")
+            facts += f", valid {record.get('valid')}" + "".join(
+                f", {html.escape(k)} {v:.4g}" for k, v in (record.get("components") or {}).items())
+        parts.append(f"<h3>{html.escape(title)}</h3><p>{facts}</p><pre>{html.escape(clip(text, REPORT_CHARS) or '')}"
+                     "</pre>")
+    return "".join(parts)

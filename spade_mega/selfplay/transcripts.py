@@ -1,0 +1,138 @@
+"""One rollout's transcript: every designer output and agent episode as text a researcher reads, beside its reward,
+advantage and whether it was trained on (written by :mod:`spade_mega.monitor.transcripts`).
+
+Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
+
+- ``episode`` (role agent): an agent play, hint plays included; the decoded prompt, then per turn the model's reply,
+  the action sent to ``step()``, its step reward and the next observation; return (sum of step rewards), the training
+  reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
+  program broke are played but never trained on: advantage null).
+- ``output`` (role designer): a designer output at its regeneration rollout: decoded prompt, reply, parsed program
+  and hint, or the parse error, the validation verdict. It is trained later, when its delayed reward is released.
+- ``reward`` (role designer): written in the rollout that releases a designer output's reward (``id`` is the
+  output's): the reward, its parts (win rate, regret, plateau, or the penalty), why it was masked, the advantage.
+
+Which sample an advantage belongs to is matched by the identity of its token list: a :class:`Trajectory` holds the
+episode's (or the designer sample's) own list, so the advantage recorded is the one its TrainSample carries.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.monitor.transcripts import clip, write_rollout
+from spade_mega.rl.delayed import DesignerSample, ReleasedDesignerSample
+from spade_mega.rollout.chat import decode
+from spade_mega.rollout.records import AgentEpisode, DesignerOutcome, DesignerSlot, TokenSequence
+from spade_mega.selfplay.batch import Trajectory
+from spade_mega.selfplay.state import ActiveEnv
+
+
+def _tokens(sequence: TokenSequence, prompt: int) -> dict[str, int]:
+    return {"prompt": prompt, "generated": sequence.num_generated, "total": len(sequence)}
+
+
+class RolloutTranscript:
+    """The records of rollout ``rollout``, collected as the loop goes (nothing is decoded when disabled)."""
+
+    def __init__(self, cfg: SpadeConfig, rollout: int, tokenizer: Any) -> None:
+        self.enabled = cfg.logging.transcripts
+        self.limit = cfg.logging.transcript_max_chars
+        self.delay = cfg.selfplay.designer_delay
+        self.rollout, self.tokenizer = rollout, tokenizer
+        self.records: list[dict[str, Any]] = []
+        self._trainable: dict[int, dict[str, Any]] = {}  # id(token list) -> the record of that trajectory
+
+    def _text(self, ids: Sequence[int]) -> Optional[str]:
+        return clip(decode(self.tokenizer, ids), self.limit)
+
+    def designer_output(self, outcome: DesignerOutcome, sample: DesignerSample, slot: DesignerSlot) -> None:
+        if not self.enabled:
+            return
+        seq, program, report = outcome.sequence, outcome.program, outcome.validation
+        prompt = len(seq) - seq.num_generated
+        self.records.append({
+            "rollout": self.rollout, "role": "designer", "kind": "output", "id": sample.sample_id,
+            "env_id": sample.env_id, "skill": outcome.skill, "group": outcome.skill, "hinted": False,
+            "slot": sample.metadata.get("slot"), "seed": slot.sampling_seed, "document_id": outcome.document_id,
+            "seed_env_ids": list(outcome.seed_env_ids), "negative_env_ids": list(outcome.negative_env_ids),
+            "weight_version": seq.policy_version, "prompt": self._text(seq.token_ids[:prompt]),
+            "reply": clip(outcome.text, self.limit), "program": clip(program.source, self.limit) if program else None,
+            "hint": clip(program.hint, self.limit) if program else None,
+            "parse_error": outcome.parse_error.value if outcome.parse_error else None,
+            "parse_detail": clip(outcome.parse_detail, self.limit) or None,
+            "validation": None if report is None else {
+                "ok": report.ok, "reason": report.reason.value if report.reason else None,
+                "detail": clip(report.detail, self.limit), "output": clip(report.output, self.limit),
+                "class_name": report.class_name, "horizon": report.horizon},
+            "valid": outcome.valid, "rejection": outcome.rejection, "failure": outcome.failure,
+            "finish_reasons": [outcome.finish_reason], "prompt_dropped": dict(outcome.prompt_dropped),
+            "tokens": _tokens(seq, prompt), "trained": False, "reward_rollout": self.rollout + self.delay})
+
+    def episodes(self, environments: Sequence[ActiveEnv], episodes: Sequence[AgentEpisode]) -> None:
+        """Every episode of the rollout; ``environments`` in the loop's order (``group`` env<i> is the i-th)."""
+        if not self.enabled:
+            return
+        where = {env.env_id: (e, env) for e, env in enumerate(environments)}
+        played: dict[tuple[str, bool], int] = {}
+        for ep in episodes:
+            e, env = where[ep.env_id]
+            k = played[(ep.env_id, ep.hinted)] = played.get((ep.env_id, ep.hinted), -1) + 1
+            seq = ep.sequence
+            prompt = ep.turn_spans[0][0] if ep.turn_spans else len(seq)
+            turns = []
+            for t, (start, end) in enumerate(ep.turn_spans):
+                turns.append({"reply": self._text(seq.token_ids[start:end]),
+                              "action": clip(ep.actions[t], self.limit) if t < len(ep.actions) else None,
+                              "finish_reason": ep.finish_reasons[t] if t < len(ep.finish_reasons) else None,
+                              "reward": ep.step_rewards[t] if t < len(ep.step_rewards) else None,
+                              "observation": clip(ep.observations[t + 1], self.limit)
+                              if t + 1 < len(ep.observations) else None})
+            record = {
+                "rollout": self.rollout, "role": "agent", "kind": "episode",
+                "id": f"r{self.rollout}-env{e}-{'hint' if ep.hinted else 'play'}{k}", "env_id": ep.env_id,
+                "env_origin": env.origin, "env_name": env.program.provenance.get("name"), "skill": ep.skill,
+                "group": f"env{e}", "hinted": ep.hinted, "seed": ep.seed, "sampling_seed": ep.sampling_seed,
+                "weight_version": seq.policy_version, "prompt": self._text(seq.token_ids[:prompt]), "turns": turns,
+                "terminated": ep.terminated, "truncated": ep.truncated,
+                "failure": ep.failure.value if ep.failure else None, "failure_detail": ep.failure_detail or None,
+                "malformed_actions": ep.malformed_actions, "finish_reasons": list(ep.finish_reasons),
+                "return": math.fsum(ep.step_rewards), "reward": ep.reward, "advantage": None, "trained": False,
+                "tokens": _tokens(seq, prompt)}
+            self.records.append(record)
+            if ep.trainable:
+                self._trainable[id(seq.token_ids)] = record
+
+    def released(self, items: Sequence[ReleasedDesignerSample]) -> None:
+        """The designer rewards released this rollout, linked to their outputs by ``id``."""
+        if not self.enabled:
+            return
+        for item in items:
+            s, reward = item.sample, item.reward
+            record = {"rollout": self.rollout, "role": "designer", "kind": "reward", "id": s.sample_id,
+                      "env_id": s.env_id, "skill": s.skill, "group": s.skill, "hinted": False,
+                      "output_rollout": s.step, "weight_version": s.policy_version, "failure": s.failure,
+                      "valid": s.metadata.get("valid"), "rejection": s.metadata.get("rejection"),
+                      "reward": reward.value, "mask_reason": reward.mask_reason,
+                      "components": dict(reward.components), "advantage": None, "trained": False,
+                      "tokens": {"prompt": len(s.loss_mask) - sum(s.loss_mask), "generated": sum(s.loss_mask),
+                                 "total": len(s.token_ids)}}
+            self.records.append(record)
+            self._trainable[id(s.token_ids)] = record
+
+    def settle(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
+        """Each trajectory's training reward, advantage and whether it is trained on (a masked designer reward: not,
+        advantage null), into its record."""
+        if not self.enabled:
+            return
+        for t, advantage in zip(trajectories, advantages.tolist()):
+            record = self._trainable[id(t.token_ids)]
+            record.update(reward=t.reward, advantage=advantage if t.valid else None, trained=t.valid)
+
+    def write(self, run_dir: Path) -> Optional[Path]:
+        return write_rollout(run_dir, self.rollout, self.records) if self.enabled else None
