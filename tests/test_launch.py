@@ -207,13 +207,20 @@ def directives(script: str) -> list[str]:
     return re.findall(r"^#SBATCH (\S+)$", script, flags=re.M)
 
 
+def steps(script: str) -> list[str]:
+    """The job's steps after the check that the run is not already complete: engine servers (if any), trainer."""
+    finished, *rest = script.split('"${SRUN[@]}" ')[1:]
+    assert "spade_mega.launch.node finished \"$CONFIG\"" in finished
+    return rest
+
+
 def test_recipe_script_directives_steps_and_environment() -> None:
     script = render()
     assert directives(script) == ["--job-name=qwen3_30b_a3b_games", "--nodes=1", "--ntasks-per-node=1",
                                   "--gpus-per-node=8", "--time=24:00:00", "--output=logs/%x-%j.out",
                                   "--open-mode=append", "--requeue", "--signal=B:USR1@600", "--exclusive"]
     assert "export NCCL_DEBUG=WARN\n" in script
-    engine, train = (s for s in script.split('"${SRUN[@]}" ')[1:])
+    engine, train = steps(script)
     assert engine.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
     assert "spade_mega.launch.node serve --servers 1 --gpus-per-server 8 --" in engine and "--port 30000" in engine
     assert train.startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0")
@@ -229,7 +236,7 @@ def test_cluster_script_carries_every_setting() -> None:
     for directive in ("--partition=h100", "--account=proj-42", "--qos=high", "--cpus-per-task=96",
                       "--chdir=/scratch/me/spade", "--exclusive", "--constraint=h100"):
         assert directive in found
-    assert "module load cuda/12.4\nsource $HOME/venvs/spade/bin/activate\n" in script
+    assert "  'module load cuda/12.4'\n  'source $HOME/venvs/spade/bin/activate'\n" in script
     assert "export HF_HOME='/scratch/hf cache'\n" in script
     assert ("SRUN=(srun --kill-on-bad-exit=1 '--container-image=nvcr.io#nvidia/pytorch:25.01-py3' "
             '--container-workdir="$PWD" --container-mounts=/scratch:/scratch)') in script
@@ -238,7 +245,7 @@ def test_cluster_script_carries_every_setting() -> None:
 def test_srun_launcher_runs_one_task_per_gpu() -> None:
     script = render(*VARIANTS["srun-launcher"])
     assert "--ntasks-per-node=8" in directives(script) and "--nodes=2" in directives(script)
-    train = script.split('"${SRUN[@]}" ')[-1]
+    train = steps(script)[-1]
     assert train.startswith("--overlap --nodes=2 --ntasks=16 --ntasks-per-node=8 --relative=0")
     assert "--launcher srun" in train and "--master-port 29400" in train
 
@@ -246,7 +253,7 @@ def test_srun_launcher_runs_one_task_per_gpu() -> None:
 def test_separate_engines_get_their_own_nodes() -> None:
     script = render(*VARIANTS["separate-vllm"])
     assert "--nodes=3" in directives(script)
-    engine, train = script.split('"${SRUN[@]}" ')[1:]
+    engine, train = steps(script)
     assert engine.startswith("--overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --relative=1")
     assert "--servers 4 --gpus-per-server 2" in engine and "--max-num-seqs 512" in engine
     assert train.startswith("--nodes=1 --ntasks=1")  # not --overlap: the trainer's node is its own
@@ -288,7 +295,7 @@ def test_program_words_are_quoted_even_when_they_look_like_shell_expansions(tmp_
     target.write_text(script)
     result = subprocess.run(["bash", "-n", str(target)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    engine = script.split('"${SRUN[@]}" ')[1].split("ENGINE_PID=$!")[0]
+    engine = steps(script)[0].split("ENGINE_PID=$!")[0]
     assert shlex.split(engine.replace("\\\n", " "))[-2] == '"$(touch pwned)'
 
 
@@ -303,6 +310,24 @@ def test_setup_lines_run_without_set_u(tmp_path: Path) -> None:
                             capture_output=True, text=True)
     assert result.returncode == 7, result.stderr
     assert script.index("set +u") < script.index("source activate.sh") < script.index("set -u\n")
+
+
+@pytest.mark.parametrize("line,status", [
+    ("module-not-on-this-cluster load cuda/12.4  # a trailing comment must not hide the check", 127),
+    ("source /nowhere/venv/bin/activate", 1),
+    ("if then", 2),  # a syntax error fails alone: the rest of the script stays valid bash
+])
+def test_a_failing_setup_line_stops_the_job_naming_it(tmp_path: Path, line: str, status: int) -> None:
+    """A module that does not load or an environment that does not activate would leave the job running in the wrong
+    environment (or failing after the engine servers started): the job stops at that line, naming it."""
+    script = _stand_in_job(tmp_path, [f"launch.setup=['export EARLIER=1', {line!r}, 'touch later-line-ran']"])
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == status, result.stderr
+    assert (f"spade-mega: launch.setup[1] failed with exit status {status}, stopping the job before anything "
+            f"starts: {line}") in result.stderr
+    assert not (tmp_path / "later-line-ran").exists() and not (tmp_path / "srun.log").exists()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
 
 def test_a_config_the_script_cannot_write_stops_the_job_before_any_step(tmp_path: Path) -> None:
@@ -324,14 +349,14 @@ def test_a_config_the_script_cannot_write_stops_the_job_before_any_step(tmp_path
 def test_engine_logs_are_appended_across_requeues_like_the_jobs_own() -> None:
     """srun truncates its --output by default (JobFileAppend=0): a requeued job would wipe the engine logs of the
     attempt before, while the job's own log is appended (--open-mode=append)."""
-    engine = render().split('"${SRUN[@]}" ')[1].split(" \\\n")[0].split()
+    engine = steps(render())[0].split(" \\\n")[0].split()
     assert '--output="$LOG_DIR/%x-%j-engines-%N.out"' in engine and "--open-mode=append" in engine
     assert "--open-mode=append" in directives(render())
 
 
 def test_in_process_engine_starts_no_servers() -> None:
     script = render("launch.gpus_per_node=1", path=TINY)
-    assert "launch.node serve" not in script and "--engines" not in script and script.count('"${SRUN[@]}"') == 1
+    assert "launch.node serve" not in script and "--engines" not in script and len(steps(script)) == 1
     assert "runs the hf engine in-process" in script
 
 
@@ -541,6 +566,7 @@ def test_launch_local_refuses_a_process_count_the_layout_does_not_fit() -> None:
 # srun and scontrol cannot run here: these stand-ins do what they do for a one-node job. srun drops its step options,
 # sets the task's variables and becomes the command (so a signal to it reaches the task, as srun forwards it).
 STAND_IN_SRUN = """#!/bin/bash
+if [[ -n "${SRUN_LOG:-}" ]]; then echo "$*" >> "$SRUN_LOG"; fi
 out=""
 while [[ $# -gt 0 && "$1" == --* ]]; do
   case "$1" in --output=*) out="${1#--output=}" ;; esac
@@ -586,7 +612,66 @@ def _stand_in_job(tmp_path: Path, overrides: list[str]) -> Path:
 
 def _stand_in_env(tmp_path: Path) -> dict[str, str]:
     return job_env(tmp_path, SLURM_JOB_NAME="tiny", SCONTROL_LOG=str(tmp_path / "scontrol.log"),
-                   PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+                   SRUN_LOG=str(tmp_path / "srun.log"), PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+# colocated servers that would start (and fail: /bin/false is their interpreter) unless the job stops first
+STAND_IN_SERVERS = ["rollout.engine=vllm", "launch.engine_placement=colocated", "inference.hf_weights=/nowhere",
+                    "inference.server_python=/bin/false"]
+
+
+def _saved_run(run_dir: Path, rollout: int, damaged: bool = False) -> None:
+    """A run's newest checkpoint as the loop leaves it: the trainer's step folder (its manifest marks it complete)
+    and, beside it, the loop state counting ``rollout`` rollouts."""
+    from spade_mega.megatron.checkpoint import MANIFEST, step_dir
+    from spade_mega.selfplay.state import CheckpointStore, LoopState
+
+    store = CheckpointStore(run_dir)
+    path = store.write_state(rollout, LoopState(rollout=rollout))
+    if damaged:
+        path.write_text('{"format": "spade-mega.selfplay-state", "version": 1, "rollout": "eight"}')
+    step = step_dir(store.root, rollout)
+    step.mkdir(parents=True)
+    (step / MANIFEST).write_text(json.dumps({"format": 1, "step": rollout}))
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_requeued_job_of_a_complete_run_starts_nothing(tmp_path: Path, damaged: bool) -> None:
+    """A job requeued (or resubmitted) after its run saved its last rollout would start its engine servers, minutes
+    on a cluster, for a trainer with nothing to do: the script sees the run complete in the loop state beside the
+    checkpoints and exits 0 saying so. A loop state it cannot read stops the job, before anything starts, too."""
+    script = _stand_in_job(tmp_path, STAND_IN_SERVERS)
+    _saved_run(tmp_path / "runs" / "tiny_cpu", rollout=8, damaged=damaged)  # tiny_cpu: selfplay.num_rollouts 8
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), capture_output=True,
+                            text=True, timeout=120)
+    if damaged:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "loop state is damaged" in result.stderr and "cannot tell whether the run is complete" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("run 'tiny_cpu' is already complete (8 of 8 rollouts, checkpoint "
+                f"{tmp_path / 'runs' / 'tiny_cpu' / 'checkpoints' / 'step_00000008'}): nothing to start") \
+            in result.stderr
+    srun_steps = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(srun_steps) == 1 and "spade_mega.launch.node finished logs/tiny-123.yaml" in srun_steps[0]
+    assert not (tmp_path / "logs" / "tiny-123-engines-localhost.out").exists()
+    assert not (tmp_path / "scontrol.log").exists()
+
+
+def test_a_run_with_rollouts_left_is_not_finished(tmp_path: Path) -> None:
+    """Anything short of every rollout saved (no checkpoint yet, or rollout 4 of 8) lets the job start."""
+    config = tmp_path / "c.yaml"
+    config.write_text((ROOT / TINY).read_text().replace("output_dir: runs", f"output_dir: {tmp_path / 'runs'}"))
+
+    def finished() -> int:
+        return subprocess.run([sys.executable, "-m", "spade_mega.launch.node", "finished", str(config)],
+                              capture_output=True, text=True, timeout=60, env=job_env(tmp_path)).returncode
+
+    assert finished() == node.UNFINISHED
+    _saved_run(tmp_path / "runs" / "tiny_cpu", rollout=4)
+    assert node.finished_run(str(config)) is None and finished() == node.UNFINISHED
+    _saved_run(tmp_path / "runs" / "tiny_cpu", rollout=8)
+    assert "8 of 8 rollouts" in node.finished_run(str(config)) and finished() == 0
 
 
 @pytest.mark.multiproc
@@ -631,7 +716,8 @@ def test_job_script_stops_a_trainer_that_outlives_the_warning_and_still_requeues
     marker = f"deaf trainer of {tmp_path}"  # the training step: a rank deep in a rollout, deaf to the warning
     (tmp_path / "bin" / "srun").write_text(STAND_IN_SRUN.replace(
         'if [[ -n "$out" ]]; then',
-        f'trap "" USR1\nset -- {sys.executable} -c "import time; time.sleep(600)  # {marker}"\n'
+        f'if [[ "$*" == *"spade_mega.launch.node exec"* ]]; then\n  trap "" USR1\n'
+        f'  set -- {sys.executable} -c "import time; time.sleep(600)  # {marker}"\nfi\n'
         'if [[ -n "$out" ]]; then',
         1))
     log = tmp_path / "job.out"

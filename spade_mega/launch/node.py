@@ -8,6 +8,7 @@ module, not shell arithmetic, decides who is rank 0 and where the rendezvous is:
   LOCAL_RANK from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; optionally wait for the engine servers' /health; then
   replace itself with torchrun (one per node) or with the program (one srun task per GPU).
 * ``serve``: start this node's engine servers, each on its own GPUs and port; stop them all when one exits.
+* ``finished``: whether the run of a config is already complete (a requeued or resubmitted job then starts nothing).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from spade_mega.errors import SpadeError
 
 PORT_FLAG = "--port"  # in a ``serve`` command, followed by the port of the node's first server
+UNFINISHED = 3  # exit status of ``finished`` when the run has rollouts left (0: complete; 2: cannot tell)
 
 
 class SlurmEnvError(SpadeError):
@@ -260,6 +263,29 @@ def serve(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: float = 
     return status if not stop["signal"] else 128 + stop["signal"]
 
 
+def finished_run(config: str) -> Optional[str]:
+    """The line saying that the run of ``config`` is complete, or None when it has rollouts left (or none done).
+
+    The run is complete when its newest checkpoint's loop state (selfplay/state.py) counts selfplay.num_rollouts
+    rollouts: the loop saves at its last rollout, so a job requeued after that (a time-limit warning that came
+    during the last save or the report) would start its engine servers, minutes on a cluster, only for the trainer
+    to find nothing to do. Under run.resume never the trainer's own refusal is left to speak."""
+    from spade_mega.config.loader import load_config
+    from spade_mega.selfplay.state import CheckpointStore
+
+    cfg = load_config(config)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    store = CheckpointStore(run_dir)
+    latest = store.latest() if cfg.run.resume != "never" else None
+    if latest is None:
+        return None
+    done, total = store.read_state(latest).rollout, cfg.selfplay.num_rollouts
+    if done < total:
+        return None
+    return (f"spade-mega: run {cfg.run.name!r} is already complete ({done} of {total} rollouts, checkpoint "
+            f"{latest}): nothing to start; its report: spade-mega report {run_dir}")
+
+
 def _split_program(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Arguments before ``--`` are ours, the rest is the program (argparse would eat its options)."""
     argv = list(argv)
@@ -284,6 +310,9 @@ def _parser() -> argparse.ArgumentParser:
     srv = actions.add_parser("serve", help="run this node's engine servers (ports from the command's --port up)")
     srv.add_argument("--servers", type=int, required=True)
     srv.add_argument("--gpus-per-server", type=int, required=True)
+    done = actions.add_parser("finished", help=f"exit 0 (with a line saying so) when the run of CONFIG is complete, "
+                                               f"{UNFINISHED} when it has rollouts left")
+    done.add_argument("config", metavar="CONFIG", help="the job's resolved config")
     return parser
 
 
@@ -294,6 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.action == "serve":
             return serve(server_commands(program, args.servers, args.gpus_per_server, environ))
+        if args.action == "finished":
+            line = finished_run(args.config)
+            if line is not None:
+                print(line, file=sys.stderr)
+            return UNFINISHED if line is None else 0
         wiring = node_wiring(environ, args.master_port)
         env = torch_env(environ, wiring, args.launcher)
         if args.engines:

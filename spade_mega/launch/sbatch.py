@@ -20,6 +20,7 @@ from typing import Sequence
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import to_yaml
 from spade_mega.config.schema import SpadeConfig
+from spade_mega.launch.node import UNFINISHED
 from spade_mega.launch.plan import LaunchPlan, plan_launch
 
 CONFIG_DELIMITER = "SPADE_MEGA_RESOLVED_CONFIG"
@@ -92,6 +93,24 @@ def _directives(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
     return [_q(option) for option in out + list(launch.sbatch_extra)]
 
 
+def _setup(setup: Sequence[str]) -> list[str]:
+    """The launch.setup lines, each checked: one that fails (a module that does not exist, a conda environment that
+    does not activate) stops the job, naming it, before any step starts; the trainer would otherwise start in the
+    wrong environment, or fail minutes later, after the engine servers. Each line is eval'd in the script's own
+    shell (what it sets stays), so a trailing comment cannot hide the check and a line with a syntax error fails
+    alone instead of breaking the script; without set -u, as activation scripts (conda's, some module systems') read
+    unset variables."""
+    if not setup:
+        return []
+    return ["set +u", "SETUP_LINES=(", *(f"  {_q(line)}" for line in setup), ")",
+            'for SETUP_INDEX in "${!SETUP_LINES[@]}"; do',
+            '  eval "${SETUP_LINES[SETUP_INDEX]}" || { SETUP_STATUS=$?; echo "spade-mega: launch.setup[$SETUP_INDEX] '
+            'failed with exit status $SETUP_STATUS, stopping the job before anything starts: '
+            '${SETUP_LINES[SETUP_INDEX]}" >&2; exit "$SETUP_STATUS"; }',
+            "done",
+            "set -u"]
+
+
 def _srun_prefix(cfg: SpadeConfig) -> str:
     launch = cfg.launch
     words = ["srun", "--kill-on-bad-exit=1"]
@@ -100,6 +119,25 @@ def _srun_prefix(cfg: SpadeConfig) -> str:
         if launch.container_mounts:
             words.append(f"--container-mounts={','.join(launch.container_mounts)}")
     return " ".join(w if isinstance(w, _Shell) else _q(w) for w in words)
+
+
+def _finished_step(cfg: SpadeConfig) -> list[str]:
+    """A requeued (or resubmitted) job whose run is already complete exits 0 here, before any server starts."""
+    argv = [cfg.launch.python, "-m", "spade_mega.launch.node", "finished", CONFIG_WORD]
+    step = "--nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0"
+    return [
+        "# A requeued or resubmitted job whose run is already complete (its loop state counts every rollout) stops "
+        "here.",
+        f'"${{SRUN[@]}}" {step} {_command(argv)}',
+        "FINISHED=$?",
+        'if [[ "$FINISHED" == 0 ]]; then exit 0; fi',
+        f'if [[ "$FINISHED" != {UNFINISHED} ]]; then',
+        '  echo "spade-mega: cannot tell whether the run is complete (exit status $FINISHED, see above); nothing '
+        'started" >&2',
+        '  exit "$FINISHED"',
+        "fi",
+        "",
+    ]
 
 
 def _engine_step(cfg: SpadeConfig, plan: LaunchPlan) -> list[str]:
@@ -200,8 +238,7 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
     ]
     if launch.setup or launch.env:
         lines.append("# Environment (launch.setup, launch.env)")
-    if launch.setup:  # without set -u: activation scripts (conda's, some module systems') read unset variables
-        lines += ["set +u", *launch.setup, "set -u"]
+    lines += _setup(launch.setup)
     lines += [f"export {key}={_q(value)}" for key, value in launch.env.items()]
     lines += [
         "export PYTHONUNBUFFERED=1",
@@ -235,6 +272,7 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
             "trap on_time_limit USR1",
         ]
     lines.append("")
+    lines += _finished_step(cfg)
     lines += _engine_step(cfg, plan)
     lines += _train_step(cfg, plan)
     return "\n".join(lines) + "\n" + _SUPERVISE
