@@ -8,9 +8,10 @@ import os
 import sqlite3
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from spade_mega.curriculum.memory import EnvMemory, EnvMemoryError
+if TYPE_CHECKING:  # imported by the handlers: registering the command must not load numpy
+    from spade_mega.curriculum.memory import EnvMemory
 
 
 def memory_path(target: str) -> Path:
@@ -37,6 +38,8 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
             sys.stdout.flush()
             return status
         except sqlite3.DatabaseError as exc:
+            from spade_mega.curriculum.memory import EnvMemoryError
+
             path = memory_path(args.run)
             raise EnvMemoryError(f"{path}: the memory database is damaged ({exc}); check it with sqlite3 {path} "
                                  f"'PRAGMA integrity_check', recover what is left with sqlite3 {path} .recover")
@@ -48,6 +51,8 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _open(args: argparse.Namespace) -> EnvMemory:
+    from spade_mega.curriculum.memory import EnvMemory
+
     return EnvMemory(memory_path(args.run), create=False)
 
 
@@ -86,6 +91,8 @@ def _refuse_database(target: Path, database: Path) -> None:
     except OSError:
         is_sqlite = False
     if target.resolve() in live or is_sqlite:
+        from spade_mega.curriculum.memory import EnvMemoryError
+
         raise EnvMemoryError(f"{target}: refusing to overwrite a database (or its WAL) with the export; give a new "
                              "file name, e.g. memory.jsonl")
 
