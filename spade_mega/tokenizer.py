@@ -8,8 +8,10 @@ encode/decode) as a production tokenizer such as Qwen3's, so nothing downstream 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 from spade_mega.errors import SpadeError
 
@@ -68,3 +70,26 @@ def load_tokenizer(name: str | None) -> Any:
         raise TokenizerError(
             f"model.tokenizer: cannot load tokenizer {name!r} ({str(exc).splitlines()[0]}); give a local folder "
             "holding tokenizer.json / tokenizer_config.json, or null for the built-in byte tokenizer") from None
+
+
+@lru_cache(maxsize=4)
+def tokenizer_identity(name: str | None) -> dict[str, Any]:
+    """What a checkpoint records of the tokenizer its token ids mean: ``model.tokenizer`` as configured (None: the
+    byte tokenizer), the vocabulary size, and a SHA-256 of every token -> id pair and the special tokens. Two
+    tokenizers with the same hash give every id the same meaning, wherever their files live."""
+    tok = load_tokenizer(name)
+    vocab = sorted(tok.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    specials = sorted((token, tok.convert_tokens_to_ids(token)) for token in tok.all_special_tokens)
+    payload = json.dumps({"vocab": vocab, "special_tokens": specials}, ensure_ascii=False, separators=(",", ":"))
+    return {"name": name, "vocab_size": len(tok), "sha256": hashlib.sha256(payload.encode("utf-8")).hexdigest()}
+
+
+def same_tokenizer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two identities give token ids the same meaning (their names may differ: a moved folder)."""
+    return a.get("vocab_size") == b.get("vocab_size") and a.get("sha256") == b.get("sha256")
+
+
+def describe_tokenizer(identity: Mapping[str, Any]) -> str:
+    name = identity.get("name")
+    what = "the built-in byte tokenizer (model.tokenizer: null)" if name is None else repr(name)
+    return f"{what}, {identity.get('vocab_size')} tokens, vocabulary sha256 {str(identity.get('sha256'))[:12]}"

@@ -23,7 +23,9 @@ from spade_mega.curriculum.rewards import (
     micro_learning_potential,
     normalized_regret,
     plateau,
+    win_rate,
     wls_slope,
+    won,
 )
 from spade_mega.errors import SpadeError
 
@@ -105,8 +107,18 @@ def test_env_reward_scale_and_its_cap() -> None:
     assert env_reward_scale(96, 24, 4, 50.0) == 16.0
     assert env_reward_scale(384, 24, 4, 50.0) == 50.0  # 64 capped at 50
     assert env_reward_scale(16 * 24, 24, 4, 100.0) == 64.0
-    with pytest.raises(ValueError, match="n_designer > 0"):
-        env_reward_scale(10, 0, 4, 50.0)
+
+
+def test_env_reward_scale_without_designer_or_agent_samples_is_one_as_in_the_reference() -> None:
+    """A rollout whose designer wrote nothing usable (or whose agent played nothing) has nothing to balance; the
+    reference returns 1.0 there, and so do we (it raised before)."""
+    assert env_reward_scale(10, 0, 4, 50.0) == 1.0
+    assert env_reward_scale(0, 24, 4, 50.0) == 1.0
+    assert env_reward_scale(0, 0, 4, 50.0) == 1.0
+    with pytest.raises(ValueError, match="n_designer >= 0"):
+        env_reward_scale(10, -1, 4, 50.0)
+    with pytest.raises(ValueError, match="regen_interval > 0"):
+        env_reward_scale(10, 2, 0, 50.0)
 
 
 def test_wls_slope_against_hand_value_and_numpy() -> None:
@@ -121,6 +133,7 @@ def test_wls_slope_against_hand_value_and_numpy() -> None:
 
 
 def test_micro_learning_potential_is_fitted_end_minus_start() -> None:
+    # (0/1 rewards: each play's win indicator is its reward)
     # ys [0, .5, 1] at xs [0, 1, 3], weights = plays [2, 2, 4]: slope 4.25 / 13.5, span 3 -> 17/18
     assert micro_learning_potential({0: [0, 0], 1: [1, 0], 3: [1, 1, 1, 1]}) == pytest.approx(17 / 18)
     assert micro_learning_potential({0: [1, 1], 1: [0, 0]}) == pytest.approx(-1.0)
@@ -132,10 +145,57 @@ def test_micro_learning_potential_is_fitted_end_minus_start() -> None:
 
 def test_learnability_variant() -> None:
     assert (learnability(0.0), learnability(1.0), learnability(0.25)) == (0.0, 0.0, 0.75)
-    cfg = replace(CFG, variant="learnability", solve_threshold=0.5)
-    r = designer_reward(cfg, {0: [1.0, 0.4], 1: [0.6, 0.0]})  # solved: 1.0 and 0.6 -> rate 0.5
-    assert r.components["solve_rate"] == 0.5 and r.value == 0.5
+    cfg = replace(CFG, variant="learnability", win_threshold=0.5)
+    r = designer_reward(cfg, {0: [1.0, 0.4], 1: [0.6, 0.0]})  # won: 1.0 and 0.6 -> rate 0.5
+    assert r.components["win_rate"] == 0.5 and r.value == 0.5
     assert designer_reward(cfg, {0: [1.0, 1.0]}).value == 0.0
+
+
+# --- one definition of a win --------------------------------------------------------------------------------------
+
+SHAPED = {0: [0.3, 0.3, 0.9, 0.3], 1: [0.3, 0.9, 0.3, 0.3]}  # partial credit 0.3 per episode, a win pays 0.9
+
+
+def test_a_win_is_a_reward_at_or_above_the_threshold() -> None:
+    assert won(0.5, CFG) and won(1.0, CFG) and not won(0.49, CFG) and not won(-1.0, CFG)
+    assert win_rate([0.3, 0.9, 0.5, -0.2], CFG) == 0.5 and win_rate([], CFG) == 0.0
+    assert win_rate([0.3, 0.9], replace(CFG, win_threshold=0.25)) == 1.0
+
+
+def test_with_0_1_rewards_the_win_rate_is_the_mean_return_as_in_the_reference() -> None:
+    """The reference's games pay 0 or 1 and it uses the mean reward as the win rate: same numbers here."""
+    plays, hint = {0: [1, 0, 0, 1], 1: [1, 1, 0, 1]}, [1, 1, 1, 0]
+    for threshold in (0.5, 1.0, 0.01):
+        cfg = replace(CFG, win_threshold=threshold)
+        for variant in ("blend", "learnability", "micro_lp"):
+            r = designer_reward(replace(cfg, variant=variant), plays, hint)
+            assert r.components["win_rate"] == r.components["return"] == pytest.approx(0.625)
+        assert designer_reward(cfg, plays, hint).value == pytest.approx(0.94)  # the blend test's hand value
+
+
+def test_shaped_rewards_count_wins_in_every_rate_and_returns_in_regret() -> None:
+    """Partial credit is not a win: 6 of 8 plays earn 0.3 (mean return 0.45, which the plateau would read as 'just
+    right'), 2 win (rate 0.25, too hard). The plateau, learnability and micro learning potential see the 0.25; regret
+    stays hint mean return minus no-hint mean return."""
+    hint = [0.9, 0.9, 0.3, 0.9]  # mean 0.75; offset-0 no-hint mean 0.45 -> regret 0.3
+    r = designer_reward(CFG, SHAPED, hint)
+    assert r.components["win_rate"] == 0.25 and r.components["return"] == pytest.approx(0.45)
+    assert r.components["plateau"] == pytest.approx(plateau(0.25, 0.4, 0.6, 0.25)) == pytest.approx(0.4)
+    assert r.components["regret"] == pytest.approx(0.3)
+    assert r.value == pytest.approx(0.6 * 0.4 + 0.4 * 1.0)
+    assert designer_reward(replace(CFG, variant="learnability"), SHAPED).value == pytest.approx(0.75)
+    # the same plays, with the agent's wins moving from offset 0 to offset 1: micro learning potential counts wins
+    rising = {0: [0.3, 0.3, 0.3, 0.3], 1: [0.9, 0.9, 0.3, 0.3]}
+    assert designer_reward(replace(CFG, variant="micro_lp"), rising).value == pytest.approx(0.5)
+    lp = designer_reward(replace(CFG, variant="learning_potential"), SHAPED, skill_baseline=0.1)
+    assert lp.value == pytest.approx(0.15)  # |0.25 - 0.1|, not |0.45 - 0.1|
+
+
+def test_win_threshold_must_be_reachable() -> None:
+    for value in (-1.0, 1.5):
+        with pytest.raises(ConfigError, match="rewards.win_threshold"):
+            replace(CFG, win_threshold=value).check()
+    replace(CFG, win_threshold=1.0).check()
 
 
 def test_learning_potential_tracker_by_hand() -> None:

@@ -11,11 +11,11 @@ import pytest
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config
-from spade_mega.config.schema import ValidationConfig
+from spade_mega.config.schema import SolvabilityConfig, ValidationConfig
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
-from spade_mega.envs.validate import Reason, ValidationReport, Validator
+from spade_mega.envs.validate import Reason, SolvabilityVerdict, ValidationReport, Validator
 
 from sandbox_support import GUESS_NUMBER, program, strict_pool
 
@@ -32,10 +32,10 @@ def expected_reason(path: Path) -> Reason:
     return Reason(first.removeprefix("# expect: ").strip())
 
 
-def brute_force_solvable(actions: list[str], depth: int):
+def brute_force_solvable(pool: SandboxPool, actions: list[str], depth: int):
     """A solvability check for tests: does any sequence of ``actions`` (up to ``depth``) earn a positive return?"""
 
-    def check(prog: EnvProgram, pool: SandboxPool) -> tuple[bool, str]:
+    def one(prog: EnvProgram) -> SolvabilityVerdict:
         with pool.open(prog) as env:
             frontier: list[list[str]] = [[]]
             for _ in range(depth):
@@ -44,10 +44,10 @@ def brute_force_solvable(actions: list[str], depth: int):
                     env.reset(0)
                     total = sum(env.step(a).reward for a in path)
                     if total > 0:
-                        return True, f"solved by {path}"
-        return False, f"no sequence of {actions} up to {depth} actions earns a reward"
+                        return SolvabilityVerdict(True, f"solved by {path}")
+        return SolvabilityVerdict(False, f"no sequence of {actions} up to {depth} actions earns a reward")
 
-    return check
+    return lambda programs: [one(prog) for prog in programs]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def known_bad_reports(pool: SandboxPool) -> dict[str, ValidationReport]:
     validator = Validator(pool, ValidationConfig(concurrency=4, time_budget_s=TEST_BUDGET_S))
     programs = [program(path.read_text()) for path in KNOWN_BAD if path != unsolvable]
     reports = dict(zip([p.name for p in KNOWN_BAD if p != unsolvable], validator.validate_many(programs)))
-    checked = Validator(pool, solvability=brute_force_solvable(["1", "123456789012"], 2))
+    checked = Validator(pool, solvability=brute_force_solvable(pool, ["1", "123456789012"], 2))
     reports[unsolvable.name] = checked.validate(program(unsolvable.read_text()))
     return reports
 
@@ -108,16 +108,24 @@ def test_solvability_hook_runs_last_and_only_on_otherwise_valid_programs(pool: S
                     return "You are in!", 1.0, True, False, {}
                 return "Nothing happens.", 0.0, False, self.turn >= 3, {}
     """)
-    calls = []
+    calls: list[list[str]] = []
 
-    def counting(prog: EnvProgram, p: SandboxPool) -> tuple[bool, str]:
-        calls.append(prog.content_hash)
-        return brute_force_solvable(["open", "knock"], 2)(prog, p)
+    def counting(programs: list[EnvProgram]) -> list[SolvabilityVerdict]:
+        calls.append([prog.content_hash for prog in programs])
+        return brute_force_solvable(pool, ["open", "knock"], 2)(programs)
 
     validator = Validator(pool, solvability=counting)
-    assert validator.validate(program(two_steps)).ok
-    assert validator.validate(program("class Broken(:\n")).reason == Reason.SYNTAX
-    assert len(calls) == 1  # not called for the program that failed an earlier check
+    door, broken, guess = program(two_steps), program("class Broken(:\n"), program(GUESS_NUMBER)
+    finals: list[ValidationReport] = []
+    reports = validator.validate_many([door, broken, guess], finals.append)
+    assert [r.reason for r in reports] == [None, Reason.SYNTAX, Reason.UNSOLVABLE]
+    assert "no sequence of ['open', 'knock']" in reports[2].detail
+    # one call for every program that passed the sandbox checks (batched), none for the one that failed them
+    assert calls == [[door.content_hash, guess.content_hash]]
+    assert sorted(r.content_hash for r in finals) == sorted(r.content_hash for r in reports)  # each once, final
+    assert all(r.stats["solvability"] == {} for r in (reports[0], reports[2]))
+    # programs known to be solvable (the library's) skip the check
+    assert validator.validate_many([guess], solvability=False)[0].ok and len(calls) == 1
 
 
 def test_reward_range_comes_from_the_config(pool: SandboxPool) -> None:
@@ -157,6 +165,10 @@ def test_the_seed_must_leave_room_for_every_validation_episode() -> None:
         with pytest.raises(ConfigError, match=r"validation.seed: must be in \[-2\*\*63, 2\*\*64 - 1 - "
                                               r"validation.random_episodes\]"):
             ValidationConfig(seed=seed).check()
+    on = SolvabilityConfig(enabled=True, attempts=4)
+    ValidationConfig(seed=2**64 - 4, solvability=on).check()
+    with pytest.raises(ConfigError, match=r"validation.seed: must be <= 2\*\*64 - validation.solvability.attempts"):
+        ValidationConfig(seed=2**64 - 3, solvability=on).check()
 
 
 def marathon(ends: bool) -> str:

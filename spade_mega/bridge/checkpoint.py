@@ -35,10 +35,11 @@ ARCHITECTURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_atte
 
 
 def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float] = None,
-            progress: Optional[Callable[[int], None]] = None) -> Path:
+            progress: Optional[Callable[[int], None]] = None, tokenizer: Any = None) -> Path:
     """Write the trainer's weights as a Hugging Face checkpoint in ``folder`` (which must not exist, or be empty).
     Collective; rank 0 writes. Shards are the export buckets (``bucket_mb``, default ``bridge.bucket_mb``);
-    ``progress(n)`` is called on rank 0 with the number of tensors of each shard written."""
+    ``progress(n)`` is called on rank 0 with the number of tensors of each shard written. ``tokenizer`` (a
+    transformers tokenizer, on rank 0): its files are written into the folder too, so a server can load it as is."""
     from safetensors.torch import save_file
 
     folder = Path(folder).expanduser().absolute()
@@ -71,7 +72,7 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
                 progress(len(bucket))
         if dist.get_rank() == SOURCE and error is None:
             try:
-                _finish(trainer, staging, folder, files, total)
+                _finish(trainer, staging, folder, files, total, tokenizer)
             except OSError as exc:
                 error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
     finally:
@@ -81,9 +82,11 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
     return folder
 
 
-def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[str, list[str]]], total: int) -> None:
-    """Name the shards ``-of-N``, write the index and config.json, and move the folder into place once its files are
-    on disk (a machine crash must not leave a folder under the name whose shards were still in the page cache)."""
+def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[str, list[str]]], total: int,
+            tokenizer: Any) -> None:
+    """Name the shards ``-of-N``, write the index, the tokenizer's files and config.json, and move the folder into
+    place once its files are on disk (a machine crash must not leave a folder under the name whose shards were still
+    in the page cache)."""
     from spade_mega.megatron.checkpoint import _fsync, _fsync_tree
     from spade_mega.megatron.providers import hf_config_dict
 
@@ -94,6 +97,8 @@ def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[s
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(staging))
     (staging / "config.json").write_text(json.dumps(hf_config_dict(trainer.model_cfg), indent=2) + "\n")
     _fsync_tree(staging)
     if folder.exists():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Optional
 
 from spade_mega.config.loader import load_config
+from spade_mega.config.schema import SpadeConfig
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -17,23 +19,38 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides: parallel.tensor=2")
 
 
-def _trainer(args: argparse.Namespace, overrides: list[str]):
+def _config(args: argparse.Namespace, overrides: list[str]) -> SpadeConfig:
+    return load_config(args.config, [*args.overrides, *overrides])
+
+
+def _trainer(cfg: SpadeConfig):
     from spade_mega.megatron import Trainer
 
-    return Trainer(load_config(args.config, [*args.overrides, *overrides]))
+    return Trainer(cfg)
 
 
 def _to_hf(args: argparse.Namespace) -> int:
     from spade_mega.bridge import save_hf, weight_table
     from spade_mega.monitor.progress import RunProgress
 
-    trainer = _trainer(args, [])
-    step = trainer.load(args.checkpoint)
+    from spade_mega.tokenizer import load_tokenizer
+
+    from spade_mega.megatron.checkpoint import check_tokenizer, read_manifest, resolve_checkpoint
+
+    cfg = _config(args, [])
+    checkpoint = resolve_checkpoint(Path(args.checkpoint))
+    check_tokenizer(read_manifest(checkpoint), cfg.model.tokenizer, checkpoint)  # before minutes of model building
+    trainer = _trainer(cfg)
+    # the weights alone: the optimizer state (Adam's moments, twice the model in float32) is not exported; the load
+    # checks that model.tokenizer is the checkpoint's, whose files go beside the weights (servable as they are)
+    step = trainer.load(str(checkpoint), weights_only=True)
     total = sum(len(rule.hf) for rule in weight_table(trainer.model_cfg, trainer.backend.te) if rule.export)
     with RunProgress(total, "tensors", fields=[]) as bar:
-        folder = save_hf(trainer, args.out, bucket_mb=args.bucket_mb, progress=bar.advance)
+        folder = save_hf(trainer, args.out, bucket_mb=args.bucket_mb, progress=bar.advance,
+                         tokenizer=load_tokenizer(trainer.cfg.model.tokenizer) if _rank() == 0 else None)
     if _rank() == 0:
-        print(f"wrote {folder}: Hugging Face checkpoint of step {step} ({trainer.model_cfg.name}, {total} tensors)")
+        print(f"wrote {folder}: Hugging Face checkpoint of step {step} ({trainer.model_cfg.name}, {total} tensors, "
+              "tokenizer)")
     return 0
 
 
@@ -49,7 +66,9 @@ def _from_hf(args: argparse.Namespace) -> int:
         raise BridgeError(f"{args.out} already holds a checkpoint ({held.name}); from-hf starts a new checkpoint root: "
                           f"choose an empty or new --out")
     HFCheckpoint(args.hf)  # a folder without a checkpoint fails here, before a model is built
-    trainer = _trainer(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
+    cfg = _config(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
+    _check_folder_tokenizer(Path(args.hf), cfg.model.tokenizer)
+    trainer = _trainer(cfg)
     total = sum(1 for chunk in trainer.model for _ in chunk.parameters())
     with RunProgress(total, "parameters", fields=[]) as bar:
         load_hf(trainer, args.hf, progress=bar.advance)
@@ -58,6 +77,21 @@ def _from_hf(args: argparse.Namespace) -> int:
         print(f"wrote {path}: Megatron checkpoint (step 0, fresh optimizer) of {args.hf}, loadable in any parallel "
               f"layout")
     return 0
+
+
+def _check_folder_tokenizer(folder: Path, configured: Optional[str]) -> None:
+    """A Hugging Face folder that carries a tokenizer was trained with it: the checkpoint written records
+    ``model.tokenizer``, so another one there would make every token id mean something else from the first step."""
+    from spade_mega.bridge import BridgeError
+    from spade_mega.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_identity
+
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    theirs, ours = tokenizer_identity(str(folder.expanduser().absolute())), tokenizer_identity(configured)
+    if not same_tokenizer(theirs, ours):
+        raise BridgeError(f"{folder} holds the tokenizer {describe_tokenizer(theirs)}; model.tokenizer is "
+                          f"{describe_tokenizer(ours)}: their token ids mean different things. Set "
+                          f"model.tokenizer={folder}")
 
 
 def _rank() -> int:

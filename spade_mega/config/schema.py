@@ -256,7 +256,9 @@ class RewardsConfig:
     env_reward_scale_cap: float = 50.0
     ema_fast: float = 0.99  # weight of the newest value in the fast EMA of the learning-potential tracker
     ema_slow: float = 0.95
-    solve_threshold: float = 0.5  # learnability variant: an episode with return >= this counts as solved
+    # An episode is won when its reward is >= win_threshold: every win rate (plateau, learning potential,
+    # learnability, memory outcomes, the solvability check, metrics) counts wins; regret is a difference of returns
+    win_threshold: float = 0.5
     agent_reward_min: float = -1.0
     agent_reward_max: float = 1.0
     truncated_episode: Literal["zero", "return"] = "zero"  # reward of an episode cut by the turn budget
@@ -275,6 +277,9 @@ class RewardsConfig:
                  f"needs 0 < rewards.ema_slow < rewards.ema_fast < 1, got {self.ema_slow}, {self.ema_fast}")
         _require(self.agent_reward_min < self.agent_reward_max, "rewards.agent_reward_max",
                  f"must be > rewards.agent_reward_min ({self.agent_reward_min}), got {self.agent_reward_max}")
+        _require(self.agent_reward_min < self.win_threshold <= self.agent_reward_max, "rewards.win_threshold",
+                 f"must be in (rewards.agent_reward_min, rewards.agent_reward_max] = ({self.agent_reward_min}, "
+                 f"{self.agent_reward_max}] (else every episode or none is a win), got {self.win_threshold}")
 
 
 @dataclass
@@ -458,6 +463,26 @@ class SandboxConfig:
 
 
 @dataclass
+class SolvabilityConfig:
+    """The LLM solvability check, validation's last step (SPADE's tool-use recipe): the policy plays the program with
+    its hint ``attempts`` times (each attempt a fresh reset seed, all programs' attempts batched in lockstep); it is
+    solvable when at least ``min_wins`` attempts are won (``rewards.win_threshold``). Off by default: it costs
+    ``attempts`` episodes per program. The reference asks the model at temperature 0.3 (docs/environments.md)."""
+
+    enabled: bool = False
+    attempts: int = 4
+    min_wins: int = 1
+    temperature: float = 0.3
+
+    def check(self) -> None:
+        _positive("validation.solvability", self, "attempts", "min_wins")
+        _require(self.min_wins <= self.attempts, "validation.solvability.min_wins",
+                 f"must be <= validation.solvability.attempts ({self.attempts}), got {self.min_wins}")
+        _require(self.temperature >= 0.0, "validation.solvability.temperature",
+                 f"must be >= 0, got {self.temperature}")
+
+
+@dataclass
 class ValidationConfig:
     """What an environment program must pass before it is used (spade_mega/envs/validate.py)."""
 
@@ -472,14 +497,19 @@ class ValidationConfig:
     # program is stopped within one call of it; loading it is bounded apart, by sandbox.load_timeout_s. 30 s is six
     # call deadlines; each library program validates in about a second at most, worker start-up included.
     time_budget_s: float = 30.0
+    solvability: SolvabilityConfig = field(default_factory=SolvabilityConfig)
 
     def check(self) -> None:
+        self.solvability.check()
         _require(self.reward_min < self.reward_max, "validation.reward_max",
                  f"must be > validation.reward_min ({self.reward_min}), got {self.reward_max}")
         _positive("validation", self, "max_turns_limit", "random_episodes", "concurrency", "time_budget_s")
         # episodes run from seed to seed + random_episodes, and the sandbox takes seeds that fit in 64 bits
         _require(-2**63 <= self.seed <= 2**64 - 1 - self.random_episodes, "validation.seed",
                  f"must be in [-2**63, 2**64 - 1 - validation.random_episodes], got {self.seed}")
+        _require(not self.solvability.enabled or self.seed <= 2**64 - self.solvability.attempts, "validation.seed",
+                 f"must be <= 2**64 - validation.solvability.attempts ({self.solvability.attempts}): the check's "
+                 f"attempts reset from seed to seed + attempts - 1, in 64 bits; got {self.seed}")
 
 
 @dataclass

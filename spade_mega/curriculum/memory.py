@@ -158,8 +158,10 @@ class Proposal:
 
 
 def classify(win_rate: float, win_rate_hint: float, regret: float) -> Outcome:
-    """Mastered: the agent alone wins (> 0.8). Unsolvable: it fails even with the hint (< 0.2 both). Frontier: the
-    hint helps (positive regret). The thresholds are the difficulty buckets of ``diversity.py``."""
+    """Mastered: the agent alone wins (win rate > 0.8). Unsolvable: it fails even with the hint (< 0.2 both).
+    Frontier: the hint helps (positive regret). The thresholds are the difficulty buckets of ``diversity.py``; the
+    rates are win rates (episodes with a reward >= ``rewards.win_threshold``, see ``curriculum/rewards.py``), regret
+    a difference of mean returns, so shaped rewards classify by wins, as 0/1 rewards do."""
     if win_rate > EASY_ABOVE:
         return "mastered"
     if win_rate < HARD_BELOW and win_rate_hint < HARD_BELOW:
@@ -375,8 +377,9 @@ class EnvMemory:
     def record_evaluation(self, content_hash: str, iteration: int, win_rate: float, win_rate_hint: float,
                           plays: int, hint_plays: int, designer_reward: float | None = None,
                           regret: float | None = None) -> None:
-        """Store one iteration's play results (idempotent per iteration). ``regret`` defaults to the hint gain
-        ``win_rate_hint - win_rate``; pass the reward module's regret when it is measured differently."""
+        """Store one iteration's play results (idempotent per iteration): win rates (fractions of episodes won) alone
+        and with the hint. ``regret`` defaults to the hint gain ``win_rate_hint - win_rate``; the loop passes SPADE's
+        regret, hint minus no-hint mean return (equal for 0/1 rewards)."""
         v = _play_results(iteration=iteration, win_rate=win_rate, win_rate_hint=win_rate_hint,
                           designer_reward=designer_reward, plays=plays, hint_plays=hint_plays)
         v |= _play_results(regret=v["win_rate_hint"] - v["win_rate"] if regret is None else regret)

@@ -14,6 +14,13 @@ Variants (``rewards.variant``), all computed from the plays of one environment o
 
 Regret is always measured at *matched timing*: hint plays and no-hint plays both at the regeneration step (window
 offset 0), so the agent's improvement during the window does not leak into it.
+
+One definition of a win serves every rate: an episode is *won* when its reward (:func:`episode_reward`) is at least
+``rewards.win_threshold``, and a *win rate* is the fraction of episodes won (:func:`win_rate`). The plateau, the
+learning-potential EMAs, micro learning potential, learnability, the memory's outcome classes, the validator's
+solvability check and the ``*/win_rate`` metrics all read it. Regret stays a difference of *mean returns* (hint minus
+no hint, as SPADE defines it), so shaped rewards still count there. With 0/1 rewards (the reference's games) and a
+threshold in (0, 1], the win rate equals the mean return, so the reference's numbers are unchanged.
 """
 
 from __future__ import annotations
@@ -58,6 +65,16 @@ def episode_reward(step_rewards: Sequence[float], terminated: bool, cfg: Rewards
     return min(cfg.agent_reward_max, max(cfg.agent_reward_min, math.fsum(step_rewards)))
 
 
+def won(reward: float, cfg: RewardsConfig) -> bool:
+    """Whether an episode with this reward is a win (``reward >= rewards.win_threshold``)."""
+    return reward >= cfg.win_threshold
+
+
+def win_rate(rewards: Sequence[float], cfg: RewardsConfig) -> float:
+    """The fraction of ``rewards`` (episode rewards) that are wins; 0 for no episodes."""
+    return sum(won(r, cfg) for r in rewards) / len(rewards) if rewards else 0.0
+
+
 # --- designer signals ----------------------------------------------------------------------------------------------
 
 
@@ -100,18 +117,19 @@ def wls_slope(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float]
     return math.fsum(w * (x - x_bar) * (y - y_bar) for w, x, y in zip(weights, xs, ys)) / sxx
 
 
-def micro_learning_potential(returns_by_offset: Mapping[int, Sequence[float]]) -> float:
+def micro_learning_potential(wins_by_offset: Mapping[int, Sequence[float]]) -> float:
     """The agent's improvement on one environment over the delay window, as fitted end minus fitted start.
 
-    Fits the per-step mean return against the step offset by weighted least squares, each step weighted by its
-    number of plays (the variance of a step's mean is proportional to 1 / plays), and multiplies the slope by the
-    window's span, so the value reads as a win-rate change. Every step contributes, unlike a late-minus-early split.
+    ``wins_by_offset`` holds each play's outcome (1.0 won, 0.0 not) per step offset. Fits the per-step win rate
+    against the step offset by weighted least squares, each step weighted by its number of plays (the variance of a
+    step's rate is proportional to 1 / plays), and multiplies the slope by the window's span, so the value reads as a
+    win-rate change. Every step contributes, unlike a late-minus-early split.
     """
-    offsets = sorted(o for o, r in returns_by_offset.items() if r)
+    offsets = sorted(o for o, r in wins_by_offset.items() if r)
     if len(offsets) < 2:
         return 0.0
-    ys = [_mean(returns_by_offset[o]) for o in offsets]
-    ws = [float(len(returns_by_offset[o])) for o in offsets]
+    ys = [_mean(wins_by_offset[o]) for o in offsets]
+    ws = [float(len(wins_by_offset[o])) for o in offsets]
     return wls_slope([float(o) for o in offsets], ys, ws) * (offsets[-1] - offsets[0])
 
 
@@ -126,11 +144,14 @@ def env_reward_scale(n_agent: int, n_designer: int, regen_interval: int, cap: fl
     """``min(n_agent / n_designer * regen_interval, cap)``: puts the rare designer samples on the agent's footing.
 
     The designer gets one sample per environment and one update per ``regen_interval`` steps, while the agent gets
-    many trajectories every step; without this factor the designer's share of the gradient would vanish.
+    many trajectories every step; without this factor the designer's share of the gradient would vanish. With no
+    designer or no agent samples there is nothing to balance: 1.0, as in the reference.
     """
-    if n_agent < 0 or n_designer <= 0 or regen_interval <= 0:
-        raise ValueError(f"env_reward_scale needs n_agent >= 0, n_designer > 0 and regen_interval > 0, "
+    if n_agent < 0 or n_designer < 0 or regen_interval <= 0:
+        raise ValueError(f"env_reward_scale needs n_agent >= 0, n_designer >= 0 and regen_interval > 0, "
                          f"got {n_agent}, {n_designer}, {regen_interval}")
+    if n_agent == 0 or n_designer == 0:
+        return 1.0
     return min(n_agent / n_designer * regen_interval, cap)
 
 
@@ -139,7 +160,7 @@ def env_reward_scale(n_agent: int, n_designer: int, regen_interval: int, cap: fl
 
 @dataclass
 class LearningPotentialTracker:
-    """Fast and slow EMAs of one signal (a skill's mean agent return); their gap measures learning in progress.
+    """Fast and slow EMAs of one signal (a skill's agent win rate); their gap measures learning in progress.
 
     ``fast`` and ``slow`` are the weights of the *newest* value (reference: 0.99 and 0.95), so the fast EMA follows
     the signal closely and the slow one lags; ``potential = |mu_fast - mu_slow| / (2 * (fast - slow))``.
@@ -180,7 +201,7 @@ class LearningPotentialTracker:
 
 @dataclass
 class SkillTrackers:
-    """One :class:`LearningPotentialTracker` per skill, fed once per step with the skill's mean agent return."""
+    """One :class:`LearningPotentialTracker` per skill, fed once per step with the skill's agent win rate."""
 
     fast: float = 0.99
     slow: float = 0.95
@@ -262,8 +283,9 @@ def designer_reward(
 
     ``agent_returns`` maps a window offset (0 = the regeneration step) to the agent's no-hint episode rewards at that
     step; ``hint_returns`` are the hint plays at offset 0. ``skill_baseline`` (learning_potential variant) is the slow
-    EMA of the environment's skill. A ``failure`` replaces everything with its bounded penalty, which is never masked:
-    the designer must learn that broken programs cost more than working ones.
+    EMA of the skill's win rate. Every rate here is a :func:`win_rate`; regret is a difference of mean returns. A
+    ``failure`` replaces everything with its bounded penalty, which is never masked: the designer must learn that
+    broken programs cost more than working ones.
     """
     if failure is not None:
         if failure not in FAILURES:
@@ -277,8 +299,8 @@ def designer_reward(
     window = [r for o in sorted(agent_returns) for r in agent_returns[o]]
     if not window:
         return DesignerReward(0.0, "no_plays")
-    win_rate = _mean(window)
-    parts: dict[str, float] = {"win_rate": win_rate}
+    rate = win_rate(window, cfg)
+    parts: dict[str, float] = {"win_rate": rate, "return": _mean(window)}
 
     if cfg.variant in ("blend", "regret"):
         at_regen = agent_returns.get(0, ())
@@ -289,24 +311,24 @@ def designer_reward(
         # else a plateau-only blend (regret_weight 0, which the config lets run without hint plays)
         regret = parts.get("regret", 0.0)
         if cfg.variant == "blend":
-            parts["plateau"] = plateau(win_rate, cfg.plateau_lo, cfg.plateau_hi, cfg.plateau_ramp)
+            parts["plateau"] = plateau(rate, cfg.plateau_lo, cfg.plateau_hi, cfg.plateau_ramp)
             if "regret" in parts:
                 parts["regret_norm"] = normalized_regret(regret, cfg.regret_scale, cfg.regret_floor)
-            value = blend(win_rate, regret, cfg)
+            value = blend(rate, regret, cfg)
         else:
             value = max(0.0, regret) if cfg.regret_floor else regret
     elif cfg.variant == "learning_potential":
         if skill_baseline is None:
             raise ValueError("the learning_potential variant needs the skill's baseline; update the SkillTrackers "
-                             "with the skill's mean agent return every step before releasing designer samples")
+                             "with the skill's agent win rate every step before releasing designer samples")
         parts["baseline"] = skill_baseline
-        value = abs(win_rate - skill_baseline)
+        value = abs(rate - skill_baseline)
     elif cfg.variant == "micro_lp":
-        parts["micro_lp"] = micro_learning_potential(agent_returns)
+        parts["micro_lp"] = micro_learning_potential(
+            {o: [float(won(r, cfg)) for r in returns] for o, returns in agent_returns.items()})
         value = max(0.0, parts["micro_lp"])
-    else:  # learnability
-        parts["solve_rate"] = sum(r >= cfg.solve_threshold for r in window) / len(window)
-        value = learnability(parts["solve_rate"])
+    else:  # learnability: the solve rate is the win rate
+        value = learnability(rate)
 
     if value < 0.0:
         return DesignerReward(value, "negative", parts)

@@ -12,7 +12,9 @@ The checks, in order (the first failure decides the reason):
 5. the episode ends within ``max_turns`` under a random-action policy and under a repeated-action policy;
 6. throughout, every call stays within the sandbox's per-call deadline and output limit, and all the episodes together
    within ``validation.time_budget_s``;
-7. optionally, a solvability check (a callable, e.g. an LLM playing with the hint) passed in by the caller.
+7. optionally, a solvability check passed in by the caller (the rollout's: the policy plays each program with its
+   hint, ``spade_mega.rollout.solvability``). It judges together every program of a ``validate_many`` call that
+   passed checks 1 to 6, so an engine-backed check plays them all in one batch.
 
 Episodes are played as far as training plays them: given the rollout's turn limit (``rollout.max_turns``), the
 validator plays ``min(max_turns, rollout_turns)`` turns, the *horizon*. A program may declare more turns than the
@@ -67,8 +69,20 @@ class Reason(str, Enum):
     UNSOLVABLE = "unsolvable"
 
 
-SolvabilityCheck = Callable[[EnvProgram, SandboxPool], "tuple[bool, str]"]
-"""``(program, pool) -> (solvable, detail)``: plays the program (through ``pool``) and judges whether it can be solved."""
+@dataclass
+class SolvabilityVerdict:
+    """The solvability check's judgement of one program. ``reason`` is the rejection when it is not solvable:
+    ``unsolvable``, or the failure of a program that broke while being played (``timeout``, ``program_error``).
+    ``cost`` says what judging it took (plays, tokens), for metrics; it lands in ``report.stats["solvability"]``."""
+
+    solvable: bool
+    detail: str
+    reason: Reason = Reason.UNSOLVABLE
+    cost: dict[str, float] = field(default_factory=dict)
+
+
+SolvabilityCheck = Callable[[Sequence[EnvProgram]], Sequence[SolvabilityVerdict]]
+"""``programs -> one verdict each, in order``: judges whether each program can be solved."""
 
 PROBE_ACTIONS = ("1", "yes", "a", "up", "0", "42", "left", "no", "A B C", "7", "north", "")
 
@@ -151,6 +165,43 @@ class Validator:
         self.solvability = solvability
 
     def validate(self, program: EnvProgram) -> ValidationReport:
+        return self.validate_many([program])[0]
+
+    def validate_many(self, programs: Sequence[EnvProgram],
+                      progress: Callable[[ValidationReport], None] | None = None, *,
+                      solvability: bool = True) -> list[ValidationReport]:
+        """Validate ``validation.concurrency`` programs at a time, then judge the ones that passed together with the
+        solvability check (unless ``solvability`` is false: programs known to be solvable, such as the library's);
+        reports come back in input order, each given to ``progress`` once final."""
+        judge = self.solvability if solvability else None
+
+        def one(program: EnvProgram) -> ValidationReport:
+            report = self._sandbox_checks(program)
+            if progress is not None and (judge is None or not report.ok):
+                progress(report)
+            return report
+
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="spade-validate") as executor:
+            reports = list(executor.map(one, programs))
+        passed = [(program, report) for program, report in zip(programs, reports) if report.ok]
+        if judge is not None and passed:
+            started = time.perf_counter()
+            verdicts = list(judge([program for program, _ in passed]))
+            if len(verdicts) != len(passed):
+                raise RuntimeError(f"the solvability check returned {len(verdicts)} verdicts for {len(passed)} "
+                                   "programs")
+            took = time.perf_counter() - started
+            for (_, report), verdict in zip(passed, verdicts):
+                report.stats["solvability"] = dict(verdict.cost)
+                report.seconds += took
+                if not verdict.solvable:
+                    report.reason, report.detail = verdict.reason, verdict.detail
+                if progress is not None:
+                    progress(report)
+        return reports
+
+    def _sandbox_checks(self, program: EnvProgram) -> ValidationReport:
+        """Checks 1 to 6 of one program."""
         report = ValidationReport(program.content_hash)
         started = time.perf_counter()
         handles: list[EnvHandle] = []
@@ -163,19 +214,6 @@ class Validator:
                 handle.close()
             report.seconds = time.perf_counter() - started
         return report
-
-    def validate_many(self, programs: Sequence[EnvProgram],
-                      progress: Callable[[ValidationReport], None] | None = None) -> list[ValidationReport]:
-        """Validate ``validation.concurrency`` programs at a time; reports come back in input order."""
-
-        def one(program: EnvProgram) -> ValidationReport:
-            report = self.validate(program)
-            if progress is not None:
-                progress(report)
-            return report
-
-        with ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="spade-validate") as executor:
-            return list(executor.map(one, programs))
 
     # -- the checks ---------------------------------------------------------------------------------------------
 
@@ -229,13 +267,6 @@ class Validator:
                                   policy_name="repeated-action")
         report.stats = {"fixed_turns": first[0][2], "random_turns": lengths,
                         "repeated_turns": [turns for _, _, turns in repeated]}
-        if self.solvability is not None:
-            try:
-                solvable, detail = self.solvability(program, self.pool)
-            except SandboxError as error:
-                raise Rejected(_reason_of(error, in_reset=False), error.detail, error.output) from None
-            if not solvable:
-                raise Rejected(Reason.UNSOLVABLE, detail)
 
     def _episodes(self, starts: list[tuple[EnvHandle, int]], policy: Callable[[int, str, int], str], horizon: int,
                   budget: _Budget, policy_name: str = "") -> list[tuple[str, str, int]]:

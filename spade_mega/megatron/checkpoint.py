@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from spade_mega.errors import SpadeError
+from spade_mega.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_identity
 
 if TYPE_CHECKING:
     from spade_mega.megatron.train import Trainer
@@ -320,6 +321,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
         manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
                     "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
                     "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
+                    "tokenizer": tokenizer_identity(trainer.cfg.model.tokenizer),
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _fsync_tree(partial)
@@ -370,6 +372,22 @@ def _apply_configured_hyperparameters(trainer: "Trainer", saved_schedule: dict[s
                     ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changed.items()))
 
 
+def check_tokenizer(manifest: dict[str, Any], name: Optional[str], path: Path) -> None:
+    """The configured tokenizer (``model.tokenizer``) must be the one the checkpoint was trained with: another one
+    gives every token id another meaning, and the model would train or serve on garbage without an error."""
+    saved = manifest.get("tokenizer")
+    if saved is None:  # written before checkpoints recorded it
+        log.warning("%s: the checkpoint does not record its tokenizer; model.tokenizer is assumed to be the one it "
+                    "was trained with", path)
+        return
+    current = tokenizer_identity(name)
+    if not isinstance(saved, dict) or not same_tokenizer(saved, current):
+        saved_text = describe_tokenizer(saved) if isinstance(saved, dict) else repr(saved)
+        raise CheckpointError(f"{path}: trained with the tokenizer {saved_text}; this run's is "
+                              f"{describe_tokenizer(current)}: their token ids mean different things. Set "
+                              "model.tokenizer to the checkpoint's tokenizer")
+
+
 def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Path) -> None:
     """Optimizer state loads into the kind of optimizer that saved it: the distributed optimizer's (per parameter,
     ``fully_reshardable``) into any layout, the non-distributed one's (Megatron's per-layout structure) into the
@@ -390,7 +408,7 @@ def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Pa
 _SAVE_IN_PROGRESS = re.compile(r"^\.step_\d+\.(partial|replaced|pruned)-")
 
 
-def _resolve(path: Path) -> Path:
+def resolve_checkpoint(path: Path) -> Path:
     """The checkpoint folder ``path`` names: itself if it is a step folder (or what a save left of one), else the
     newest complete checkpoint under it (a root, hidden or not)."""
     if not path.is_dir() or _STEP_DIR.match(path.name) or _SAVE_IN_PROGRESS.match(path.name):
@@ -401,20 +419,23 @@ def _resolve(path: Path) -> Path:
     return latest
 
 
-def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
+def load_checkpoint(trainer: "Trainer", path: str | Path, *, weights_only: bool = False) -> int:
     """Load model, optimizer and schedule into ``trainer`` (any layout); returns the checkpoint's step.
 
-    ``path`` is a ``step_<N>`` folder or a root holding them (then the newest complete one is loaded)."""
+    ``path`` is a ``step_<N>`` folder or a root holding them (then the newest complete one is loaded).
+    ``weights_only``: the model's weights and the step, not the optimizer state (twice the model's size in float32
+    Adam moments, read for nothing by an export); the optimizer starts fresh, and its kind need not match."""
     from megatron.core import dist_checkpointing
 
-    path = _resolve(Path(path))
+    path = resolve_checkpoint(Path(path))
     manifest = read_manifest(path)
     expected = _architecture(trainer)
     if manifest.get("architecture") != expected:
         diff = {k: (manifest.get("architecture", {}).get(k), v) for k, v in expected.items()
                 if manifest.get("architecture", {}).get(k) != v}
         raise CheckpointError(f"{path}: saved for another model architecture (saved, configured): {diff}")
-    with_optimizer = bool(manifest.get("optimizer_state"))
+    check_tokenizer(manifest, trainer.cfg.model.tokenizer, path)
+    with_optimizer = bool(manifest.get("optimizer_state")) and not weights_only
     if with_optimizer:
         _check_optimizer_kind(trainer, manifest, path)
     with _reading(path):
@@ -427,11 +448,12 @@ def load_checkpoint(trainer: "Trainer", path: str | Path) -> int:
             trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
         elif with_optimizer:  # the same layout saved it (checked): Megatron's own structure as it is
             trainer.optimizer.load_state_dict(state["optimizer"])
-        else:  # saved before the first update: the optimizer starts fresh, as it did then
+        else:  # saved before the first update (or weights only): the optimizer starts fresh, as it did then
             for optimizer in _chained(trainer.optimizer):
                 optimizer.optimizer.state.clear()
             trainer.optimizer.reload_model_params()
-        _apply_configured_hyperparameters(trainer, state["scheduler"], path)
+        if not weights_only:
+            _apply_configured_hyperparameters(trainer, state["scheduler"], path)
         trainer.scheduler.num_steps = 0  # Megatron's load adds the saved count to the current one (a rollback)
         trainer.scheduler.load_state_dict(state["scheduler"])
         trainer.step = int(state["step"])

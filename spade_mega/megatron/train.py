@@ -323,8 +323,9 @@ class Trainer:
 
         return str(save_checkpoint(self, root, keep=keep))
 
-    def load(self, path: str) -> int:
-        """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step)."""
+    def load(self, path: str, *, weights_only: bool = False) -> int:
+        """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);
+        ``weights_only`` skips the optimizer state (exports, evaluation)."""
         from spade_mega.megatron.checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path)
+        return load_checkpoint(self, path, weights_only=weights_only)

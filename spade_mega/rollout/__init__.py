@@ -12,7 +12,8 @@ from spade_mega.rollout.designer import DesignerBatch, designer_outcome, generat
 from spade_mega.rollout.records import (AgentEpisode, AgentPlay, DesignerOutcome, DesignerSlot, EpisodeFailure,
                                         RolloutStats, TokenSequence)
 from spade_mega.rollout.runner import Rollout
+from spade_mega.rollout.solvability import PlayedSolvability
 
 __all__ = ["AgentBatch", "AgentEpisode", "AgentPlay", "ChatTurns", "DesignerBatch", "DesignerOutcome", "DesignerSlot",
-           "EpisodeFailure", "Rollout", "RolloutStats", "TokenSequence", "designer_outcome", "generate_designs",
-           "play_episodes", "validate_outcomes"]
+           "EpisodeFailure", "PlayedSolvability", "Rollout", "RolloutStats", "TokenSequence", "designer_outcome",
+           "generate_designs", "play_episodes", "validate_outcomes"]

@@ -42,7 +42,7 @@ from spade_mega.config.schema import SpadeConfig
 from spade_mega.curriculum.corpus import Corpus, GroundingSampler
 from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.curriculum.prompts import PromptBuilder
-from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale
+from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale, win_rate, won
 from spade_mega.curriculum.skills import SkillRegistry, SkillScheduler
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
@@ -254,6 +254,7 @@ class _Actor:
                    _mean([float(o.sequence.num_generated) for o in outcomes]),
                    "designer/library_fill": float(len(library_envs))}
         metrics.update(batch.stats.metrics("perf/designer"))
+        metrics.update(_rejection_metrics(outcomes))
         return metrics
 
     def library_fill(self, r: int, filled: set[int], seen: set[str]) -> list[ActiveEnv]:
@@ -271,7 +272,9 @@ class _Actor:
             entry = random.Random(derive_seed(self.cfg.run.seed, "library", r, i)).choice(entries)
             p = entry.program()
             chosen.append((i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i})))
-        reports = self.rollouts.validator.validate_many([p for _, p in chosen])
+        # no solvability check: the library's programs are solved by their scripted oracles
+        # (tests/test_env_library_sandbox.py plays each to its target return)
+        reports = self.rollouts.validator.validate_many([p for _, p in chosen], solvability=False)
         self.memory.propose_many(p for _, p in chosen)
         envs = []
         for (i, program), report in zip(chosen, reports):
@@ -310,7 +313,7 @@ class _Actor:
             hint = [ep.reward for ep in mine if ep.hinted]
             agent_returns += agent
             hint_returns += hint
-            wins += [ep.reward >= cfg.rewards.solve_threshold for ep in mine if not ep.hinted]
+            wins += [won(ep.reward, cfg.rewards) for ep in mine if not ep.hinted]
             by_skill.setdefault(env.skill, []).extend(agent)
             if env.env_id in self.buffer:
                 self.buffer.record_plays(env.env_id, r, agent)
@@ -322,16 +325,19 @@ class _Actor:
                 failed.add(env.env_id)
                 if env.env_id in self.buffer:
                     self.buffer.mark_failed(env.env_id, "step_timeout" if "step_timeout" in broke else broke[0])
-            win_rate = _mean(agent) if agent else 0.0
-            win_rate_hint = _mean(hint) if hint else win_rate
-            regrets.append(win_rate_hint - win_rate)
-            self.memory.record_evaluation(env.env_id, r, win_rate=win_rate, win_rate_hint=win_rate_hint,
-                                          plays=len(agent), hint_plays=len(hint))
+            # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns
+            mean_agent = _mean(agent) if agent else 0.0
+            regret = (_mean(hint) if hint else mean_agent) - mean_agent
+            regrets.append(regret)
+            rate = win_rate(agent, cfg.rewards)
+            self.memory.record_evaluation(env.env_id, r, win_rate=rate,
+                                          win_rate_hint=win_rate(hint, cfg.rewards) if hint else rate,
+                                          plays=len(agent), hint_plays=len(hint), regret=regret)
             trajectories += [Trajectory(ep.sequence.token_ids, ep.sequence.loss_mask, ep.sequence.behaviour_logprobs,
                                         "agent", ep.reward, f"env{e}") for ep in mine if ep.trainable]
         for skill, returns in by_skill.items():
             if returns:
-                self.trackers.update(skill, _mean(returns))
+                self.trackers.update(skill, win_rate(returns, cfg.rewards))
         if failed:  # a program that broke in play teaches nothing more until the next regeneration
             log.warning("rollout %d: %d environment(s) failed in the sandbox and leave the set", r, len(failed))
             self.environments = [env for env in self.environments if env.env_id not in failed]
@@ -344,6 +350,7 @@ class _Actor:
                    "designer/regret": _mean(regrets) if regrets else 0.0}
         if hint_returns:
             metrics["agent/hint_return"] = _mean(hint_returns)
+            metrics["agent/hint_win_rate"] = win_rate(hint_returns, cfg.rewards)
         metrics.update(batch.stats.metrics("perf/agent"))
         return trajectories, metrics
 
@@ -506,6 +513,21 @@ class SelfPlay:
         trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
         if actor is not None:
             self.store.prune_states()
+
+
+def _rejection_metrics(outcomes: Sequence[Any]) -> dict[str, float]:
+    """Designer outputs refused, by reason (``designer/rejected/validate_unsolvable``, ...), and what the solvability
+    check spent judging them (``validation/solvability_plays``, ``_wins``, ``_turns``, ``_generated_tokens``,
+    ``_prompt_tokens``)."""
+    metrics: dict[str, float] = {}
+    for outcome in outcomes:
+        if outcome.rejection is not None:
+            key = "designer/rejected/" + outcome.rejection.replace(":", "_")
+            metrics[key] = metrics.get(key, 0.0) + 1.0
+        cost = outcome.validation.stats.get("solvability", {}) if outcome.validation is not None else {}
+        for name, value in cost.items():
+            metrics[f"validation/solvability_{name}"] = metrics.get(f"validation/solvability_{name}", 0.0) + value
+    return metrics
 
 
 def _from_rank0(make: Callable[[], T], *, share: bool) -> Optional[T]:

@@ -163,7 +163,7 @@ def test_a_save_that_cannot_write_is_a_checkpoint_error(tmp_path: Path) -> None:
 
 
 def test_a_root_is_resolved_to_its_newest_complete_checkpoint_even_when_hidden(tmp_path: Path) -> None:
-    from spade_mega.megatron.checkpoint import _resolve, step_dir
+    from spade_mega.megatron.checkpoint import resolve_checkpoint, step_dir
 
     root = tmp_path / ".checkpoints"  # a hidden root is a root, not a save in progress
     for step in (2, 10):
@@ -172,12 +172,12 @@ def test_a_root_is_resolved_to_its_newest_complete_checkpoint_even_when_hidden(t
     step_dir(root, 11).mkdir()  # no manifest: incomplete
     partial = root / ".step_00000012.partial-abc"
     partial.mkdir()
-    assert _resolve(root) == step_dir(root, 10)
-    assert _resolve(step_dir(root, 2)) == step_dir(root, 2)
-    assert _resolve(partial) == partial  # named explicitly: read_manifest refuses it as interrupted
+    assert resolve_checkpoint(root) == step_dir(root, 10)
+    assert resolve_checkpoint(step_dir(root, 2)) == step_dir(root, 2)
+    assert resolve_checkpoint(partial) == partial  # named explicitly: read_manifest refuses it as interrupted
     (tmp_path / "runs").mkdir()
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        _resolve(tmp_path / "runs")
+        resolve_checkpoint(tmp_path / "runs")
 
 
 def test_non_distributed_optimizer_resumes_in_its_layout_and_a_changed_optimizer_kind_is_named(
@@ -243,12 +243,12 @@ def test_a_resumed_run_trains_with_its_configured_adam_hyper_parameters(reschedu
 def test_a_file_or_a_manifest_without_an_architecture_is_named(tmp_path: Path) -> None:
     """A path to a file (a single-file checkpoint of another framework) is not 'no such folder'; a manifest whose
     architecture is not an object is a CheckpointError, not an AttributeError from comparing it."""
-    from spade_mega.megatron.checkpoint import _resolve
+    from spade_mega.megatron.checkpoint import resolve_checkpoint
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0" * 16)
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
-        read_manifest(_resolve(weights))
+        read_manifest(resolve_checkpoint(weights))
     assert weights.read_bytes() == b"\0" * 16
     step = tmp_path / "step_00000004"
     step.mkdir()
