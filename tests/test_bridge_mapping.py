@@ -166,6 +166,30 @@ def test_unreadable_folders_are_named(tmp_path: Path) -> None:
         HFCheckpoint(indexed)
 
 
+def test_an_indexed_folder_is_read_by_its_index_alone(saved: dict[str, Path], tmp_path: Path) -> None:
+    """A sharded checkpoint (transformers' own index) with a stray shard beside it, a leftover of an earlier save
+    holding other values of the same tensors: the index's shards alone are read (the stray one used to make every
+    tensor 'in both' files, or, without the index, be loaded). A listed shard that is missing is named."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(saved["moe"]).save_pretrained(folder, max_shard_size="200KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) > 1
+    stale = {name: torch.full_like(tensor, 7.0) for name, tensor in load_file(folder / shards[0]).items()}
+    leftover = f"model-00001-of-{len(shards) + 1:05d}.safetensors"  # an earlier save's shard count
+    save_file(stale, str(folder / leftover))
+    checkpoint = HFCheckpoint(folder)
+    assert set(checkpoint.files) == set(index) and set(checkpoint.files.values()) == set(shards)
+    check_checkpoint(checkpoint, weight_table(MODELS["moe"], False), hf_config_dict(MODELS["moe"]))
+    original = load_file(saved["moe"] / "model.safetensors")
+    assert all(torch.equal(checkpoint.tensor(name), original[name]) for name in stale)
+    (folder / shards[-1]).unlink()
+    with pytest.raises(BridgeError, match=f"lists the shard {shards[-1]} .*which is not in the folder"):
+        HFCheckpoint(folder)
+
+
 def test_qwen3_30b_a3b_table_has_every_tensor_of_its_checkpoint() -> None:
     """The published Qwen3-30B-A3B checkpoint holds 18,867 tensors; the table's shapes add up to the analytic
     parameter count (two independent computations)."""

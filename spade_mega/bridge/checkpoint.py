@@ -125,6 +125,13 @@ class HFCheckpoint:
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise BridgeError(f"{index}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
+            # only the listed shards are read: a stray file (a leftover of an earlier save) is not part of it
+            absent = [f for f in files if not (self.folder / f).is_file()]
+            if absent:
+                count = sum(f == absent[0] for f in weight_map.values())
+                raise BridgeError(f"{index} lists the shard {absent[0]} ({count} tensors), which is not in the "
+                                  f"folder ({len(absent)} of {len(files)} shards missing): an incomplete copy or "
+                                  "download")
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
             weight_map = None
