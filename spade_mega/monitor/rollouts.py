@@ -29,10 +29,11 @@ def _facts(record: dict[str, Any]) -> str:
     if record.get("role") == "agent":
         parts += ["hint play" if record.get("hinted") else "no hint", f"seed {record.get('seed')}",
                   f"return {_number(record.get('return'))}"]
-    elif not record.get("released"):
-        parts.append(f"reward pending (released at rollout {record.get('reward_rollout')})")
-    parts += [f"reward {_number(record.get('reward'))}", f"advantage {_number(record.get('advantage'))}",
-              "trained" if record.get("trained") else "not trained"]
+    if record.get("role") == "designer" and not record.get("released"):
+        parts.append(f"reward pending (released at rollout {record.get('reward_rollout')}), not trained yet")
+    else:
+        parts += [f"reward {_number(record.get('reward'))}", f"advantage {_number(record.get('advantage'))}",
+                  "trained" if record.get("trained") else "not trained"]
     tokens = record.get("tokens") or {}
     parts.append(f"tokens {tokens.get('prompt', '?')} prompt + {tokens.get('generated', '?')} generated")
     return " | ".join(parts)
@@ -102,7 +103,7 @@ def _rollouts(args: argparse.Namespace) -> int:
         for record in shown:
             print(json.dumps(record, ensure_ascii=False))
         return 0
-    console = Console(highlight=False, soft_wrap=False)
+    console = Console(highlight=False, soft_wrap=True)  # long lines (a program's) are left whole, not re-wrapped
     agents = [r for r in records if r.get("role") == "agent"]
     trained, hinted = sum(bool(r.get("trained")) for r in agents), sum(bool(r.get("hinted")) for r in agents)
     console.print(Text(

@@ -183,23 +183,33 @@ def select(run_dir: str | Path, records: list[dict[str, Any]], role: Optional[st
 REPORT_CHARS = 3000  # per text field in the report
 
 
+REPORT_LOOKBACK = 50  # rollouts searched back for the newest designer outputs (written every regen_interval)
+
+
 def report_section(run_dir: str | Path) -> str:
-    """The report's look at the newest rollout: its highest- and lowest-advantage agent episodes and its best designer
-    output, as escaped HTML ("" for a run without transcripts)."""
-    if not rollouts_written(run_dir):
+    """The report's look at the newest rollout: its highest- and lowest-advantage agent episodes, and the best
+    designer output of the newest rollout that has any, as escaped HTML ("" for a run without transcripts)."""
+    written = rollouts_written(run_dir)
+    if not written:
         return ""
     try:
         rollout, records = read_rollout(run_dir)
         agents = select(run_dir, records, "agent", order="best")
-        designers = select(run_dir, records, "designer", order="best")
+        designers: list[dict[str, Any]] = []
+        for designed in reversed(written[-REPORT_LOOKBACK:]):
+            designers = select(run_dir, records if designed == rollout else read_rollout(run_dir, designed)[1],
+                               "designer", order="best")
+            if designers:
+                break
     except TranscriptError as exc:
         return f"<h2>Rollout transcripts</h2><p class='problems'>{html.escape(str(exc))}</p>"
     trained = [r for r in agents if r.get("trained")] or agents
-    picks = ([("highest-advantage agent episode", trained[0]), ("lowest-advantage agent episode", trained[-1])]
-             if trained else []) + ([("best designer output", designers[0])] if designers else [])
-    parts = [f"<h2 id='transcripts'>Rollout transcripts</h2><p>Rollout {rollout} "
-             f"({html.escape(str(transcript_path(run_dir, rollout).name))}; all of them: <code>spade-mega rollouts "
-             f"{html.escape(str(run_dir))}</code>)</p>"]
+    picks = [(f"highest-advantage agent episode (rollout {rollout})", trained[0]),
+             (f"lowest-advantage agent episode (rollout {rollout})", trained[-1])] if trained else []
+    if designers:
+        picks.append((f"best designer output (rollout {designed})", designers[0]))
+    parts = [f"<h2 id='transcripts'>Rollout transcripts</h2><p>Newest rollout: {rollout}; every one: "
+             f"<code>spade-mega rollouts {html.escape(str(run_dir))} [--rollout N]</code></p>"]
     for title, record in picks:
         facts = ", ".join(f"{k} {html.escape(str(record.get(k)))}" for k in
                           ("id", "skill", "env_id", "reward", "advantage", "trained") if record.get(k) is not None)

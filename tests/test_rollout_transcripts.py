@@ -1,0 +1,339 @@
+"""Rollout transcripts: what a real loop run writes under run_dir/rollouts, that a resumed run rewrites it exactly,
+that a crash while writing never tears a file, and `spade-mega rollouts` / the report on it."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sandbox_support import strict_missing
+
+from spade_mega.cli import main
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.curriculum.rewards import DesignerReward
+from spade_mega.envs import library
+from spade_mega.monitor.report import build_report
+from spade_mega.monitor.transcripts import (
+    TranscriptError,
+    clip,
+    discard_after,
+    read_rollout,
+    rollouts_written,
+    select,
+    transcript_path,
+    write_rollout,
+)
+from spade_mega.rl.delayed import DesignerSample, ReleasedDesignerSample
+from spade_mega.rollout.records import AgentEpisode
+from spade_mega.selfplay.batch import Trajectory, advantages, train_samples
+from spade_mega.selfplay.state import ActiveEnv, CheckpointStore
+from spade_mega.selfplay.transcripts import RolloutTranscript
+from spade_mega.tokenizer import byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+# Two rollouts: the designer writes at rollout 1 (two invalid outputs: a random model) and is paid at once (delay 0:
+# the resumed rollout 2 then trains no 3.6k-token designer sample, the costly part); two library environments, each
+# played twice without the hint and once with it. A reward released rollouts later is tested on hand-written files.
+RUN = ["selfplay.num_rollouts=2", "selfplay.regen_interval=2", "selfplay.designer_delay=0", "selfplay.save_interval=1",
+       "selfplay.keep_checkpoints=null", "selfplay.global_batch_size=4", "rollout.envs_per_rollout=2",
+       "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=2",
+       "rollout.max_response_tokens=16", "rollout.max_designer_tokens=48", "curriculum.corpus.token_budget=64",
+       "rewards.invalid_program_penalty=-0.5", "logging.tensorboard=false", "logging.progress=false",
+       "logging.transcript_max_chars=2000"]
+# The straight run, with every sample the trainer receives recorded (role, tokens, advantage) per rollout.
+PROBE = """
+import json, sys
+from spade_mega.selfplay import loop
+trained = {}
+original = loop.SelfPlay._train
+def _train(self, trainer, samples, r):
+    trained[r] = [[s.role, int(s.tokens.numel()), float(s.advantages[s.loss_mask][0])] for s in samples]
+    return original(self, trainer, samples, r)
+loop.SelfPlay._train = _train
+from spade_mega.cli import main
+code = main(["train", *sys.argv[2:]])
+with open(sys.argv[1], "w") as f:
+    json.dump(trained, f)
+sys.exit(code)
+"""
+
+
+# --- the file format (fast) --------------------------------------------------------------------------------------
+
+
+def test_clip_keeps_head_and_tail_and_says_how_much_was_cut() -> None:
+    text = "HEAD-" + "x" * 5000 + "-TAIL"
+    cut = clip(text, 300)
+    assert cut is not None and len(cut) <= 300
+    head, rest = cut.split("\n[... ")
+    count, tail = rest.split(" characters cut ...]\n")
+    assert head.startswith("HEAD-") and tail.endswith("-TAIL") and abs(len(head) - len(tail)) <= 1
+    assert text.startswith(head) and text.endswith(tail) and len(head) + int(count) + len(tail) == len(text)
+    assert clip("short", 300) == "short" and clip(None, 300) is None
+
+
+def test_a_crash_while_writing_leaves_the_previous_file_whole(tmp_path: Path) -> None:
+    """In-process (an exception in the middle of the records) and a real kill -9 of a writing process: the file of
+    that rollout is still the previous complete one, readable; the temporary file the kill left is discarded."""
+    first = [{"id": f"r1-{i}", "text": "a" * 100} for i in range(50)]
+    path = write_rollout(tmp_path, 1, first)
+    before = path.read_bytes()
+
+    def torn():
+        yield {"id": "new"}
+        raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError, match="crash"):
+        write_rollout(tmp_path, 1, torn())
+    assert path.read_bytes() == before and not list(path.parent.glob("*.tmp"))
+
+    writer = subprocess.Popen([sys.executable, "-c", f"""
+import os, time
+from spade_mega.monitor.transcripts import write_rollout
+def slow():
+    for i in range(100_000):
+        yield {{"id": i, "text": os.urandom(4096).hex()}}
+        time.sleep(0.001)
+write_rollout({str(tmp_path)!r}, 1, slow())
+"""])
+    tmp = path.with_name(path.name + ".tmp")
+    deadline = time.monotonic() + 60
+    while not (tmp.exists() and tmp.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert tmp.exists() and path.read_bytes() == before
+    assert read_rollout(tmp_path, 1) == (1, first)
+    assert discard_after(tmp_path, 1) == [] and not tmp.exists()
+
+
+def test_discard_after_deletes_later_rollouts_only(tmp_path: Path) -> None:
+    for r in (1, 2, 3):
+        write_rollout(tmp_path, r, [{"rollout": r}])
+    assert discard_after(tmp_path, 1) == [2, 3]
+    assert rollouts_written(tmp_path) == [1]
+
+
+def test_reading_a_run_without_transcripts_or_a_missing_rollout_says_what_exists(tmp_path: Path) -> None:
+    with pytest.raises(TranscriptError, match="no rollout transcripts"):
+        read_rollout(tmp_path)
+    for r in (1, 2, 3, 5):
+        write_rollout(tmp_path, r, [])
+    with pytest.raises(TranscriptError, match="the run has rollouts 1-3, 5"):
+        read_rollout(tmp_path, 4)
+    transcript_path(tmp_path, 5).write_bytes(b"not gzip")
+    with pytest.raises(TranscriptError, match="cannot read this transcript"):
+        read_rollout(tmp_path)
+
+
+def test_a_designer_output_reads_beside_the_reward_a_later_rollout_released(tmp_path: Path) -> None:
+    output = {"role": "designer", "kind": "output", "reward_rollout": 3, "program": "class Env: ...", "valid": True,
+              "trained": False}
+    write_rollout(tmp_path, 1, [{**output, "rollout": 1, "id": "r1-s0"}, {**output, "rollout": 1, "id": "r1-s1"}])
+    write_rollout(tmp_path, 3, [{"rollout": 3, "role": "designer", "kind": "reward", "id": "r1-s0", "reward": 0.8,
+                                 "components": {"regret": 0.3}, "advantage": 1.5, "trained": True, "output_rollout": 1},
+                                {"rollout": 3, "role": "agent", "kind": "episode", "id": "r3-env0-play0",
+                                 "advantage": -2.0, "trained": True, "group": "env0", "env_id": "abc"}])
+    at_output = select(tmp_path, read_rollout(tmp_path, 1)[1], order="best")
+    assert [(e["id"], e["released"], e.get("advantage")) for e in at_output] == [("r1-s0", True, 1.5),
+                                                                                 ("r1-s1", False, None)]
+    at_reward = select(tmp_path, read_rollout(tmp_path, 3)[1], order="worst")
+    assert [(e["id"], e.get("program")) for e in at_reward] == [("r3-env0-play0", None), ("r1-s0", "class Env: ...")]
+    assert at_reward[1]["components"] == {"regret": 0.3} and at_reward[1]["output_rollout"] == 1
+    assert [e["id"] for e in select(tmp_path, read_rollout(tmp_path, 3)[1], env="ab")] == ["r3-env0-play0"]
+
+
+def test_transcript_max_chars_is_checked() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["logging.transcript_max_chars=10"])
+    assert info.value.path == "logging.transcript_max_chars"
+
+
+def _episode(env: ActiveEnv, tokenizer, hinted: bool, reward: float) -> AgentEpisode:
+    ep = AgentEpisode(env.env_id, env.skill, env.env_id, hinted, seed=1, sampling_seed=2)
+    ep.sequence.append_context(tokenizer.encode("the prompt"))
+    start = len(ep.sequence)
+    ep.sequence.append_generated(tokenizer.encode("<action>up</action>"), [-0.5] * 19, version=3)
+    ep.turn_spans.append((start, len(ep.sequence)))
+    ep.observations += ["first observation", "second observation"]
+    ep.actions.append("up")
+    ep.finish_reasons.append("stop")
+    ep.step_rewards.append(reward)
+    ep.terminated, ep.reward = True, reward
+    return ep
+
+
+def test_each_record_carries_the_advantage_its_train_sample_carries() -> None:
+    """The loop's wiring on hand-made episodes with different rewards: the advantage a record states is the one
+    the trainer's sample of that trajectory holds; hint plays and the masked designer reward are not trained."""
+    cfg = load_config(TINY, [])
+    tokenizer = byte_tokenizer()
+    envs = [ActiveEnv(library.get(name).program(), "library", i, 1) for i, name in enumerate(("grid_maze",
+                                                                                                 "running_total"))]
+    episodes = [_episode(envs[0], tokenizer, False, r) for r in (1.0, 0.0, 0.5)] + \
+        [_episode(envs[0], tokenizer, True, 1.0)] + [_episode(envs[1], tokenizer, False, r) for r in (0.2, 0.9)]
+    transcript = RolloutTranscript(cfg, 4, tokenizer)
+    transcript.episodes(envs, episodes)
+    released = []
+    for i, (value, mask) in enumerate(((0.7, None), (0.1, None), (0.0, "no_plays"))):
+        sample = DesignerSample(f"r2-s{i}", f"env-{i}", "logic", 2, 1, [5, 6, 7, 8], [0, 0, 1, 1], [0, 0, -1.0, -1.0])
+        released.append(ReleasedDesignerSample(sample, DesignerReward(value, mask, {"win_rate": 0.5})))
+    transcript.released(released)
+    trajectories = [Trajectory(ep.sequence.token_ids, ep.sequence.loss_mask, ep.sequence.behaviour_logprobs, "agent",
+                               ep.reward, f"env{[e.env_id for e in envs].index(ep.env_id)}")
+                    for ep in episodes if ep.trainable]
+    trajectories += [Trajectory(item.sample.token_ids, item.sample.loss_mask, item.sample.behaviour_logprobs,
+                                "designer", item.reward.value, item.sample.skill, valid=not item.reward.masked)
+                     for item in released]
+    values = advantages(trajectories, 2.0, cfg.rl, cfg.kernels)
+    samples = train_samples(trajectories, values)
+    transcript.settle(trajectories, values)
+
+    trained = [r for r in transcript.records if r["trained"]]
+    assert [r["id"] for r in trained] == ["r4-env0-play0", "r4-env0-play1", "r4-env0-play2", "r4-env1-play0",
+                                          "r4-env1-play1", "r2-s0", "r2-s1"]
+    assert [r["advantage"] for r in trained] == [float(s.advantages[s.loss_mask][0]) for s in samples]
+    assert len({r["advantage"] for r in trained}) > 3  # the groups differ: not a constant
+    hint = next(r for r in transcript.records if r["hinted"])
+    assert hint["id"] == "r4-env0-hint0" and hint["advantage"] is None and hint["reward"] == 1.0
+    masked = next(r for r in transcript.records if r["id"] == "r2-s2")
+    assert masked["trained"] is False and masked["mask_reason"] == "no_plays" and masked["advantage"] is None
+    turn = transcript.records[0]["turns"][0]
+    assert turn == {"reply": "<action>up</action>", "action": "up", "finish_reason": "stop", "reward": 1.0,
+                    "observation": "second observation"}
+    assert transcript.records[0]["prompt"] == "the prompt" and transcript.records[0]["weight_version"] == 3
+
+    off = RolloutTranscript(load_config(TINY, ["logging.transcripts=false"]), 4, tokenizer)
+    off.episodes(envs, episodes)
+    assert off.records == [] and off.write(Path("/nonexistent")) is None
+
+
+# --- a real run, straight and resumed (slow) ---------------------------------------------------------------------
+
+
+def _train(out: Path, probe: Path | None = None) -> None:
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    args = [str(TINY), f"run.output_dir={out}", *RUN, *isolation]
+    command = [sys.executable, "-c", PROBE, str(probe), *args] if probe else \
+        [str(Path(sys.executable).with_name("spade-mega")), "train", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    """A straight run of two rollouts (with the samples its trainer received), and a copy of it as if it had died
+    after the checkpoint of rollout 1 while writing rollout 2's transcript (a stale rollout 3 file and a temporary
+    file left too), resumed."""
+    base = tmp_path_factory.mktemp("transcripts")
+    _train(base / "a", probe=base / "trained.json")
+    straight, resumed = base / "a" / "tiny_cpu", base / "b" / "tiny_cpu"
+    shutil.copytree(straight, resumed)
+    store = CheckpointStore(resumed)
+    for ckpt in sorted(store.root.glob("step_*")):
+        if store.read_state(ckpt).rollout > 1:
+            shutil.rmtree(ckpt)
+    write_rollout(resumed, 2, [{"rollout": 2, "role": "agent", "id": "from the crashed attempt"}])
+    write_rollout(resumed, 3, [{"rollout": 3}])
+    transcript_path(resumed, 2).with_suffix(".gz.tmp").write_bytes(b"torn")
+    _train(base / "b")
+    return straight, resumed, json.loads((base / "trained.json").read_text())
+
+
+@pytest.mark.slow
+def test_each_rollout_has_one_file_with_every_trajectory(runs: tuple[Path, Path, dict]) -> None:
+    straight, _, trained = runs
+    assert rollouts_written(straight) == [1, 2]
+    _, first = read_rollout(straight, 1)
+    _, second = read_rollout(straight, 2)
+    outputs = [r for r in first if r["kind"] == "output"]
+    assert [(r["role"], r["id"], r["reward_rollout"]) for r in outputs] == [("designer", "r1-s0", 1),
+                                                                            ("designer", "r1-s1", 1)]
+    for r in outputs:
+        assert r["valid"] is False and r["failure"] == "invalid_program" and r["trained"] is False
+        assert r["weight_version"] == 0 and r["tokens"]["generated"] == 48 and r["finish_reasons"] == ["length"]
+        assert r["reply"] and r["parse_error"] == "truncated" and isinstance(r["seed"], int)
+        # the ~3.6k-character prompt, clipped to logging.transcript_max_chars: its head and its tail
+        assert len(r["prompt"]) <= 2000 and "characters cut ...]" in r["prompt"]
+        assert r["prompt"].startswith("<|im_start|>system") and r["prompt"].endswith("<|im_start|>assistant\n")
+    for records, version in ((first, 0), (second, 2)):  # rollout 1 trained 4 + 2 samples: 2 steps of 4
+        episodes = [r for r in records if r["role"] == "agent"]
+        assert len(episodes) == 6 and {r["group"] for r in episodes} == {"env0", "env1"}
+        for r in episodes:
+            assert r["kind"] == "episode" and r["env_origin"] == "library" and r["weight_version"] == version
+            assert r["trained"] is (not r["hinted"]) and (r["advantage"] is None) is r["hinted"]
+            assert 1 <= len(r["turns"]) <= 2 and r["turns"][0]["reply"] and r["turns"][0]["observation"]
+            assert r["prompt"].endswith("<|im_start|>assistant\n") and r["finish_reasons"]
+            assert r["return"] == sum(t["reward"] for t in r["turns"]) and r["tokens"]["total"] > r["tokens"]["prompt"]
+        assert sum(r["hinted"] for r in episodes) == 2
+    rewards = [r for r in first if r["kind"] == "reward"]
+    assert [(r["role"], r["id"], r["output_rollout"]) for r in rewards] == [("designer", "r1-s0", 1),
+                                                                            ("designer", "r1-s1", 1)]
+    assert not [r for r in second if r["role"] == "designer"]
+    for r in rewards:
+        assert r["reward"] == -0.5 and r["components"] == {"penalty": -0.5} and r["trained"] is True
+    # the trained records are exactly the samples the trainer received, with the same advantages
+    for rollout, records in ((1, first), (2, second)):
+        stated = sorted([r["role"], r["tokens"]["total"], r["advantage"]] for r in records if r["trained"])
+        assert stated == sorted(trained[str(rollout)])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_rewrites_the_later_rollouts_as_the_straight_run(runs: tuple[Path, Path, dict]) -> None:
+    straight, resumed, _ = runs
+    assert rollouts_written(resumed) == [1, 2] and not list((resumed / "rollouts").glob("*.tmp"))
+    for r in (1, 2):
+        assert transcript_path(resumed, r).read_bytes() == transcript_path(straight, r).read_bytes(), r
+
+
+@pytest.mark.slow
+def test_the_rollouts_command_prints_a_rollout(runs: tuple[Path, Path, dict], capsys: pytest.CaptureFixture) -> None:
+    run = str(runs[0])
+    assert main(["rollouts", run]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"rollout 2 of {run}: 6 agent episode(s) (4 trained, 2 hint plays), 0 designer output(s), "
+                          "0 designer reward(s) released; showing 6 of 6\n")
+    for text in ("agent r2-env0-play0", "agent r2-env1-hint0", "hint play", "not trained", "observation:"):
+        assert text in out, text
+
+    assert main(["rollouts", run, "--rollout", "1", "--role", "designer", "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "showing 1 of 2" in out and "designer r1-s0" in out and "designer r1-s1" not in out
+    for text in ("penalty -0.5", "parse error:", "reply:", "prompt:", "1 more: raise --limit"):
+        assert text in out, text
+
+    assert main(["rollouts", run, "--rollout", "1", "--role", "designer", "--json"]) == 0
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["id"], e["released"], e["reward"], e["reward_rollout"]) for e in entries] == [
+        ("r1-s0", True, -0.5, 1), ("r1-s1", True, -0.5, 1)] and all("program" in e for e in entries)
+
+    assert main(["rollouts", run, "--role", "agent", "--env", "env1", "--worst", "--limit", "1", "--json"]) == 0
+    [worst] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert worst["group"] == "env1" and worst["trained"]
+
+    assert main(["rollouts", run, "--rollout", "9"]) == 2
+    assert "no transcript of rollout 9; the run has rollouts 1-2" in capsys.readouterr().err
+    assert main(["rollouts", str(runs[0].parent)]) == 2
+    assert "this run has no rollout transcripts" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_report_shows_the_newest_rollouts_extremes(runs: tuple[Path, Path, dict], tmp_path: Path) -> None:
+    assert "<h2 id='transcripts'>" in (runs[0] / "report.html").read_text()  # the run's own, at its end
+    page = build_report(runs[0], tmp_path).html.read_text()
+    section = page[page.index("<h2 id='transcripts'>"):page.index("<h2>Config</h2>")]
+    for title in ("highest-advantage agent episode (rollout 2)", "lowest-advantage agent episode (rollout 2)",
+                  "best designer output (rollout 1)", "penalty -0.5", "[observation]", "[reply]"):
+        assert title in section, title
+    assert "&lt;|im_start|&gt;" in section and "<|im_start|>" not in section
