@@ -158,7 +158,9 @@ def test_batched_and_chunked_greedy_equals_one_at_a_time(cfg):
     chunked = engine.generate(reqs)
     engine.max_batch_size = 8
     batched = engine.generate(reqs)
-    for one, *others in zip(alone, chunked, batched):
+    engine.prefill_tokens = 1  # every prompt forwarded on its own, the batch decoded together
+    prefilled_alone = engine.generate(reqs)
+    for one, *others in zip(alone, chunked, batched, prefilled_alone):
         for other in others:
             assert other.output_ids == one.output_ids and other.finish_reason == one.finish_reason == "length"
             torch.testing.assert_close(torch.tensor(other.logprobs), torch.tensor(one.logprobs), atol=1e-5, rtol=0)
@@ -177,6 +179,45 @@ def test_a_seeded_sample_does_not_depend_on_its_batch_in_float32(cfg):
     batched = engine.generate(reqs[::-1])[::-1]
     assert [g.output_ids for g in chunked] == [g.output_ids for g in batched] == [g.output_ids for g in alone]
     assert len({g.output_ids for g in alone}) == len(alone)
+
+
+@pytest.mark.parametrize("prefill_tokens,buckets", [(16384, [(4, 400)]), (800, [(2, 250), (2, 400)])])
+def test_memory_grows_with_batch_times_length_and_the_cache_is_written_in_place(cfg, monkeypatch, prefill_tokens,
+                                                                                 buckets):
+    """What SDPA is given. Prompts go in (length-sorted buckets of at most ``prefill_tokens`` padded tokens) with no
+    mask: a left-padded batch needed a [batch, 1, length, length] one (16 designer prompts of 3.6k tokens: 200 MB of
+    mask, and SDPA then materialised [batch, heads, length, length] scores). Every decode step's keys are a view of
+    one buffer per layer allocated before the first step (DynamicCache reallocated and copied the whole cache at
+    each step), masked by [rows, 1, 1, columns], also after finished rows left the batch."""
+    engine = make_engine(cfg.model, prefill_tokens=prefill_tokens)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((tuple(key.shape), None if attn_mask is None else tuple(attn_mask.shape),
+                      key.untyped_storage().data_ptr()))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    gen = torch.Generator().manual_seed(0)
+    reqs = [GenerationRequest(tuple(torch.randint(0, EOS, (n,), generator=gen).tolist()),
+                              SamplingParams(max_new_tokens=new, temperature=0.0))
+            for n, new in ((400, 3), (150, 7), (400, 5), (250, 4))]
+    generations = engine.generate(reqs)
+    monkeypatch.undo()
+    layers, width = cfg.model.num_layers, 400
+    prefill, decode = calls[:layers * len(buckets)], calls[layers * len(buckets):]
+    assert [(key[0], key[2]) for key, _, _ in prefill[::layers]] == buckets
+    assert all(mask is None for _, mask, _ in prefill)
+    assert len(decode) == layers * (7 - 1)  # the longest completion's steps after its first token
+    for step, (key, mask, _) in enumerate(decode):
+        assert key[2] == width + 1 + step // layers and mask == (key[0], 1, 1, key[2])
+    assert [key[0] for key, _, _ in decode[::layers]] == [4, 4, 3, 2, 1, 1]  # rows leave as they finish
+    for layer in range(layers):
+        assert len({storage for _, _, storage in decode[layer::layers]}) == 1
+    for generation in generations:  # the cache, its padding columns and the moved rows hold the right values
+        expected, argmax = full_forward_logprobs(engine.model, generation, 1.0)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-5, rtol=0)
+        assert generation.output_ids == tuple(argmax.tolist())
 
 
 def saved_weights(model) -> dict[str, torch.Tensor]:
@@ -324,6 +365,8 @@ def test_inference_settings_are_checked(cfg, tmp_path):
 
     with pytest.raises(ConfigError, match="inference.max_batch_size"):
         load_config(CONFIG, ["inference.max_batch_size=0"])
+    with pytest.raises(EngineError, match="prefill_tokens must be >= 1, got 0"):
+        make_engine(cfg.model, prefill_tokens=0)
     with pytest.raises(EngineError, match=r"inference.hf_weights: no \*.safetensors file in"):
         make_engine(cfg.model, weights_path=str(tmp_path))
 

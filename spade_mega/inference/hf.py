@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer  # the engine runs transformers' models
 
 from spade_mega.config.schema import ModelConfig, SpadeConfig
 from spade_mega.inference.base import EngineError, Generation, GenerationRequest
@@ -48,31 +49,35 @@ def build_hf_model(model: ModelConfig, *, dtype: torch.dtype, device: torch.devi
     """transformers' model of ``model`` (random init), in eval mode: Qwen3MoeForCausalLM or Qwen3ForCausalLM.
 
     Built in ``dtype`` by transformers itself, which keeps the rotary frequencies float32 as Megatron does (a
-    ``.to(bfloat16)`` rounded them, and the angles drifted with the position) and never holds a float32 copy."""
+    ``.to(bfloat16)`` rounded them, and the angles drifted with the position) and never holds a float32 copy.
+    Attention is SDPA (torch's fused kernels; the engine hands it boolean masks)."""
     import transformers
 
     hf = hf_config_dict(model)
     hf.pop("torch_dtype")
     config_cls = transformers.Qwen3MoeConfig if hf["model_type"] == "qwen3_moe" else transformers.Qwen3Config
     with torch.device(device):
-        net = transformers.AutoModelForCausalLM.from_config(config_cls(**hf), dtype=dtype)
+        net = transformers.AutoModelForCausalLM.from_config(config_cls(**hf), dtype=dtype, attn_implementation="sdpa")
     return net.eval().requires_grad_(False)
 
 
 class HFEngine:
     """Batched sampling from a transformers model with a KV cache; weights pushed in by :meth:`update_weights`.
 
-    ``eos_token_id`` ends a completion (the run tokenizer's ``<|im_end|>``), ``pad_token_id`` fills left padding
-    (never attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``. A request
+    ``eos_token_id`` ends a completion (the run tokenizer's ``<|im_end|>``), ``pad_token_id`` fills padding (never
+    attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``; a chunk's prompts are
+    forwarded ``prefill_tokens`` (padded) tokens at a time at most, and its cache is allocated once, for the longest
+    prompt plus the most new tokens, so memory grows with batch x length, never with length squared. A request
     without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible. Each
     request samples from its own generator, so in float32 its completion does not depend on the batch; in bfloat16
     the logits do, slightly (kernels are not batch-invariant), so a seeded sample can differ between batches."""
 
     def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
                  device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
-                 weights_path: Optional[str] = None) -> None:
-        if max_batch_size < 1:
-            raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
+                 weights_path: Optional[str] = None, prefill_tokens: int = 16384) -> None:
+        for name, value in (("max_batch_size", max_batch_size), ("prefill_tokens", prefill_tokens)):
+            if value < 1:
+                raise EngineError(f"{name} must be >= 1, got {value}")
         model = resolve_model_config(model)
         self.vocab_size = model.vocab_size
         self.max_positions = model.max_position_embeddings
@@ -82,7 +87,7 @@ class HFEngine:
                 raise EngineError(f"{name} {value} is outside the model's vocabulary (model.vocab_size "
                                   f"{self.vocab_size}): the tokenizer does not fit the model")
         self.eos_token_id, self.pad_token_id = eos_token_id, pad
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.prefill_tokens = max_batch_size, prefill_tokens
         self.device = resolve_device(device)
         self.dtype = _DTYPES[model.params_dtype if dtype == "auto" else dtype]
         self.model: Optional[torch.nn.Module] = build_hf_model(model, dtype=self.dtype, device=self.device)
@@ -214,19 +219,22 @@ class HFEngine:
 
     @torch.inference_mode()
     def _generate_batch(self, requests: Sequence[GenerationRequest], seeds: Sequence[int]) -> list[Generation]:
+        """Prefill in buckets, then decode every row in lockstep over one preallocated cache.
+
+        Each prompt's keys and values sit right-aligned before column ``width`` (the longest prompt), so every row
+        writes its next token into the same column; the columns left of a shorter prompt are masked out."""
         model, device = self._live_model(), self.device
         n = len(requests)
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for row, r in enumerate(requests):  # left padding: every row's next token sits in the last column
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache, logits = out.cache, out.logits[:, -1]
-        positions = positions[:, -1:]
+        lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)
+        width = int(lengths.max())
+        cache = _PreallocatedCache(model.config, n, width + max(r.sampling.max_new_tokens for r in requests),
+                                   dtype=self.dtype, device=device)
+        logits = self._prefill(model, requests, cache, width)
+        # SDPA's boolean mask, built once (True where a row has a token): transformers takes a 4-D mask as it is,
+        # where from a 2-D one it would rebuild [rows, 1, 1, length] at every step
+        columns = torch.arange(cache.columns, device=device)
+        mask = (columns[None] >= (width - lengths)[:, None])[:, None, None, :]
+        positions = lengths - 1  # each row's own position, whatever its padding
 
         sampling = [r.sampling for r in requests]
         temperature = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=device)
@@ -254,20 +262,47 @@ class HFEngine:
                     keep.append(row)
             if not keep:
                 break
-            if len(keep) < len(live):  # finished rows leave the batch and the cache
+            if len(keep) < len(live):  # finished rows leave the batch: the rows kept move up, in place
                 index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                mask, positions, tokens = mask[index], positions[index], tokens[index]
+                cache.keep_rows(index)
+                mask[:len(keep)] = mask[index]
+                positions, tokens = positions[index], tokens[index]
                 temperature, top_p = temperature[index], top_p[index]
                 live = [live[row] for row in keep]
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
             positions = positions + 1
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions,
-                        cache=cache, use_cache=True)
+            out = model(input_ids=tokens[:, None], attention_mask=mask[:len(live), ..., :cache.length + 1],
+                        position_ids=positions[:, None], cache=cache, use_cache=True)
             logits = out.logits[:, -1]
         return [Generation(prompt_ids=tuple(r.prompt_ids), output_ids=tuple(outputs[i]),
                            logprobs=tuple(logprobs[i]), finish_reason=finish[i],  # type: ignore[arg-type]
                            weight_version=self._version) for i, r in enumerate(requests)]
+
+    def _prefill(self, model: torch.nn.Module, requests: Sequence[GenerationRequest], cache: _PreallocatedCache,
+                 width: int) -> torch.Tensor:
+        """Forward the prompts, store their keys and values in ``cache`` and return each one's next-token logits.
+
+        Prompts of similar length (``prefill_tokens`` padded tokens at most) go together, *right*-padded: causal
+        attention alone keeps a token from seeing the padding after it, so no attention mask is built (a left-padded
+        batch needs a [batch, 1, length, length] one, and SDPA falls back from its memory-efficient kernel with it).
+        Logits are computed for the last prompt token only."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        buckets: list[list[int]] = [[]]
+        for i in order:  # sorted: a bucket's width is its last prompt's length
+            if buckets[-1] and (len(buckets[-1]) + 1) * len(requests[i].prompt_ids) > self.prefill_tokens:
+                buckets.append([])
+            buckets[-1].append(i)
+        logits = torch.empty((len(requests), self.vocab_size), dtype=self.dtype, device=self.device)
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        for bucket in buckets:
+            prompts = [requests[i].prompt_ids for i in bucket]
+            ids = torch.full((len(bucket), len(prompts[-1])), self.pad_token_id, dtype=torch.long)
+            for row, prompt in enumerate(prompts):
+                ids[row, :len(prompt)] = torch.tensor(prompt)
+            out = decoder(input_ids=ids.to(self.device), use_cache=True)
+            last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+            logits[bucket] = head(out.last_hidden_state[torch.arange(len(bucket), device=self.device), last])
+            cache.store_prompts(bucket, [len(p) for p in prompts], out.cache, width)
+        return logits
 
     # ------------------------------------------------------------------ life
     def _live_model(self) -> torch.nn.Module:
@@ -277,6 +312,68 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """One attention layer's keys and values in buffers allocated once per batch and written in place: a decode step
+    writes one column (DynamicCache concatenates, copying the layer's whole cache at every step) and attention reads
+    a view of the columns filled so far."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.buffers = (keys, values)
+        self.length = 0
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the buffers exist from the start."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start, self.length = self.length, self.length + key_states.shape[-2]
+        for buffer, states in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, start:self.length].copy_(states)
+        self.keys, self.values = (buffer[:, :, :self.length] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class _PreallocatedCache(Cache):
+    """The KV cache of one batch: per layer, keys and values [rows, kv heads, ``columns``, head dim], zeroed once (a
+    masked-out column must hold finite numbers: NaN times a zero attention weight is NaN) and never reallocated."""
+
+    def __init__(self, config: Any, rows: int, columns: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (rows, config.num_key_value_heads, columns, head_dim)
+        super().__init__(layers=[_PreallocatedLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                                    torch.zeros(shape, dtype=dtype, device=device))
+                                 for _ in range(config.num_hidden_layers)])
+        self.columns = columns
+
+    @property
+    def length(self) -> int:
+        """Columns filled so far (the same in every layer and row)."""
+        return self.layers[0].length
+
+    def store_prompts(self, rows: Sequence[int], lengths: Sequence[int], prefill: Cache, width: int) -> None:
+        """Copy row ``j`` of a right-padded prefill cache (its first ``lengths[j]`` columns) into row ``rows[j]``,
+        right-aligned before column ``width``; the cache then holds ``width`` columns."""
+        for layer, source in zip(self.layers, prefill.layers):
+            for buffer, states in zip(layer.buffers, (source.keys, source.values)):
+                for j, (row, length) in enumerate(zip(rows, lengths)):
+                    buffer[row, :, width - length:width].copy_(states[j, :, :length])
+            layer.length = width
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (ascending), moved up to the first ``len(index)`` rows of the same buffers."""
+        for layer in self.layers:
+            keys, values = (buffer[index, :, :layer.length] for buffer in layer.buffers)
+            layer.buffers = tuple(buffer[:len(index)] for buffer in layer.buffers)
+            layer.buffers[0][:, :, :layer.length] = keys
+            layer.buffers[1][:, :, :layer.length] = values
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
