@@ -85,3 +85,25 @@ def test_grpo_advantage_on_a_million_samples_matches_rl_and_is_deterministic(see
     assert torch.equal(runs[0], runs[1]), "two launches on the same batch disagree"
     want = grpo_advantages(rewards.double(), group_ids, roles, skill_ids, 12.0)
     assert_close(runs[0], want, 1e-5, "per-sample advantages", seed)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_kernels_launch_on_their_tensors_device_not_the_current_one(seed: int) -> None:
+    """A rank whose current CUDA device is not its tensors' (a process driving two GPUs): each launch goes to the
+    tensors' GPU (Triton launches on the current one, which read cuda:1 memory from cuda:0)."""
+    g = torch.Generator(device="cuda:1").manual_seed(seed)
+    logits = torch.randn(64, 1000, generator=g, device="cuda:1")
+    tokens = torch.randint(0, 1000, (64,), generator=g, device="cuda:1")
+    rewards = torch.rand(64, generator=g, device="cuda:1")
+    ids = torch.arange(64, device="cuda:1") // 8
+    roles = torch.full((64,), AGENT, device="cuda:1")
+    with torch.cuda.device(0):
+        before = LAUNCHES.copy()
+        res = op.tis_logprob(logits, tokens, temperature=TEMPERATURE)
+        adv = adv_op.grpo_advantage(rewards, ids, roles, ids, 1.0).samples
+        torch.cuda.synchronize(1)
+    assert LAUNCHES["tis_logprob.shard_stats"] == before["tis_logprob.shard_stats"] + 1
+    assert LAUNCHES["grpo_advantage.forward"] == before["grpo_advantage.forward"] + 1
+    want = torch.log_softmax(logits.double() / TEMPERATURE, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert_close(res.logprobs, want, 5e-5, "log-probs on cuda:1", seed)
+    assert_close(adv, grpo_advantages(rewards.double(), ids, roles, ids, 1.0), 1e-5, "advantages on cuda:1", seed)
