@@ -18,7 +18,7 @@ from spade_mega.errors import SpadeError
 # a handler takes the parsed namespace and returns an exit status.
 COMMAND_MODULES = ("spade_mega.config.commands", "spade_mega.curriculum.commands", "spade_mega.envs.commands",
                    "spade_mega.monitor.commands", "spade_mega.bridge.commands", "spade_mega.launch.commands",
-                   "spade_mega.selfplay.commands", "spade_mega.monitor.rollouts")
+                   "spade_mega.selfplay.commands", "spade_mega.monitor.rollouts", "spade_mega.evaluation.commands")
 
 USAGE_ERROR = 2
 

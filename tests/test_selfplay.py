@@ -153,7 +153,7 @@ E2E = ["selfplay.num_rollouts=3", "selfplay.regen_interval=2", "selfplay.designe
        "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=2",
        "rollout.max_response_tokens=16", "rollout.max_designer_tokens=48", "curriculum.corpus.token_budget=64",
        "rewards.invalid_program_penalty=-0.5", "optimizer.lr=0.01", "logging.tensorboard=false",
-       "logging.progress=false"]
+       "logging.progress=false", "eval.interval=2", "eval.before_train=false"]  # held-out scores at rollout 2
 # one torch thread per process, as the Megatron tests run: two threads on this shared 2-core machine made the first
 # rollout 3x slower (72 s against 20 s), and the trainer's numerics must not depend on a changing thread count
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -242,6 +242,7 @@ def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs:
             assert key in r, key
         assert r["envs/designer"] + r["envs/library"] == 2  # a random model writes no valid program: library fill
     assert "designer/valid_rate" in records[0] and "designer/valid_rate" in records[2]
+    assert [r["step"] for r in records if "eval/arithmetic/accuracy" in r] == [2]  # eval.interval 2
     assert (run_dir / "report.html").is_file() and (run_dir / "config.yaml").is_file()
     store = CheckpointStore(run_dir)
     states = [store.read_state(ckpt) for ckpt in sorted(store.root.glob("step_*"))]
@@ -324,6 +325,7 @@ def test_two_data_parallel_ranks_train_on_rank_zeros_rollouts(tmp_path: Path) ->
     assert sorted(records) == [1, 2]
     for r in records.values():
         assert r["train/samples_agent"] == 4 and r["train/rollout_logprob_abs_diff_max"] < 1e-4
+    assert "eval/arithmetic/accuracy" in records[2] and "eval/arithmetic/accuracy" not in records[1]
     store = CheckpointStore(run_dir)
     manifest = json.loads((store.latest() / "spade_checkpoint.json").read_text())
     assert manifest["world_size"] == 2 and manifest["layout"].endswith("DP2")

@@ -8,6 +8,7 @@ so a field's annotation is its contract: ``int``, ``float``, ``bool``, ``str``, 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -625,6 +626,73 @@ class LaunchConfig:
                  f"must divide launch.gpus_per_node ({self.gpus_per_node}), got {self.engine_gpus}")
 
 
+_SUITE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass
+class EvalSuiteConfig:
+    """One held-out evaluation suite (docs/evaluation.md). ``kind: qa``: question-answer items from ``path`` (a JSONL
+    or Parquet file, or ``builtin:arithmetic``), each asked ``samples`` times through ``prompt_template`` (its
+    ``{question}`` and ``{choices}`` are replaced; other braces stay as written) and scored by ``scorer``.
+    ``kind: env``: the named library ``environments`` played ``episodes`` times each by the agent."""
+
+    name: str = ""
+    kind: Literal["qa", "env"] = "qa"
+    path: str = "builtin:arithmetic"
+    format: Literal["auto", "jsonl", "parquet", "builtin"] = "auto"
+    question_field: str = "question"  # field names may be dotted (meta.question)
+    answer_field: str = "answer"
+    choices_field: Optional[str] = None  # a list of options, rendered as "A. ...", "B. ..." into {choices}
+    id_field: Optional[str] = None  # None = the item's position in the file
+    scorer: Literal["boxed", "choice", "exact"] = "boxed"
+    prompt_template: str = "{question}\n\nPut your final answer within \\boxed{}."
+    system_prompt: Optional[str] = None
+    samples: int = 1  # completions per item (k of avg@k and pass@k)
+    max_items: Optional[int] = None  # the first N items; None = all
+    temperature: float = 0.6
+    top_p: float = 1.0
+    max_response_tokens: int = 1024
+    environments: list[str] = field(default_factory=list)  # kind env: library environment names
+    episodes: int = 4  # kind env: episodes per environment
+
+    def check(self, path: str = "eval.suites") -> None:
+        _require(bool(_SUITE_NAME.fullmatch(self.name)), f"{path}.name",
+                 f"must be letters, digits, '_', '.' or '-' (it names the metrics eval/<name>/...), got {self.name!r}")
+        _positive(path, self, "samples", "max_items", "max_response_tokens", "episodes")
+        _require(0.0 <= self.temperature < float("inf"), f"{path}.temperature",
+                 f"must be a finite number >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, f"{path}.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.kind == "qa":
+            _require(bool(self.path), f"{path}.path", "must name a JSONL or Parquet file, or builtin:arithmetic")
+            _require("{question}" in self.prompt_template, f"{path}.prompt_template",
+                     "must contain {question}, where each item's question goes")
+            _require(bool(self.question_field) and bool(self.answer_field), f"{path}.question_field",
+                     "question_field and answer_field must not be empty")
+        else:
+            _require(bool(self.environments), f"{path}.environments",
+                     "an env suite needs at least one library environment name (spade-mega env list)")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training (every ``interval`` rollouts, after the weight sync; ``before_train``
+    also before the first) and by ``spade-mega eval``. Metrics are logged as ``eval/<suite>/<metric>``."""
+
+    interval: int = 0  # rollouts between evaluations; 0 = never during training
+    before_train: bool = False
+    suites: list[EvalSuiteConfig] = field(default_factory=list)
+
+    def check(self) -> None:
+        _require(self.interval >= 0, "eval.interval", f"must be >= 0 (0 = off), got {self.interval}")
+        _require(bool(self.suites) or (self.interval == 0 and not self.before_train), "eval.suites",
+                 "needs at least one suite when eval.interval > 0 or eval.before_train is true")
+        seen: set[str] = set()
+        for i, suite in enumerate(self.suites):
+            suite.check(f"eval.suites[{i}]")
+            _require(suite.name not in seen, f"eval.suites[{i}].name", f"duplicate suite {suite.name!r}")
+            seen.add(suite.name)
+
+
 @dataclass
 class SpadeConfig:
     """The whole run configuration, as resolved from YAML files and command-line overrides."""
@@ -645,6 +713,7 @@ class SpadeConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     bridge: BridgeConfig = field(default_factory=BridgeConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def check(self) -> None:
         """Check every section, then the constraints that span sections."""

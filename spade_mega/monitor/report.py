@@ -26,7 +26,7 @@ from spade_mega.monitor.records import METRICS_FILE, Record, scan
 from spade_mega.monitor.transcripts import report_section
 
 REPORT_FILE, PLOTS_DIR = "report.html", "plots"
-GROUP_ORDER = ("agent", "designer", "envs", "train", "perf", "gpu")
+GROUP_ORDER = ("agent", "designer", "eval", "envs", "train", "perf", "gpu")
 SPARSE = 50  # a series with fewer values is drawn with a marker at each
 OFF_SCALE = 1e300  # beyond this an axis's span can overflow a float, which matplotlib cannot draw
 # which way is better, from the metric's last name part; anything else gets no "best"
@@ -198,6 +198,29 @@ img{max-width:100%;border:1px solid #eee}pre{background:#f7f7f7;padding:1em;font
 .problems{color:#a33}"""
 
 
+def _evaluation_table(metrics: dict[str, Series]) -> str:
+    """The held-out scores (``eval/<suite>/<metric>``, spade_mega/evaluation) in one table: a row per suite and
+    evaluation, a column per metric; empty when the run has none."""
+    rows: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    columns: list[str] = []
+    for name, series in metrics.items():
+        group, suite, leaf = _split(name)
+        if group != "eval" or not suite:
+            continue
+        columns += [] if leaf in columns else [leaf]
+        for step, value in zip(series.steps, series.values):
+            rows[(suite, step)][leaf] = value
+    if not rows:
+        return ""
+    e = html.escape
+    body = "".join(f"<tr><td>{e(suite)}</td><td>{step}</td>"
+                   + "".join(f"<td>{_fmt(values[c]) if c in values else ''}</td>" for c in columns) + "</tr>"
+                   for (suite, step), values in sorted(rows.items()))
+    return ('<h2 id="evaluation">Evaluation</h2><p>Held-out suites, scored after the rollout of each step (step 0: '
+            "before training).</p><table><tr><th>suite</th><th>step</th>"
+            + "".join(f"<th>{e(c)}</th>" for c in columns) + f"</tr>{body}</table>")
+
+
 def _html(run: Run, figures: list[tuple[str, str, bytes]], summaries: list[Summary]) -> str:
     e = html.escape
     records = run.records
@@ -207,6 +230,7 @@ def _html(run: Run, figures: list[tuple[str, str, bytes]], summaries: list[Summa
             f"{max(r.step for r in records)}, run time {_seconds(max(times) - min(times) if times else math.nan)} "
             f"(first to last record); report made {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
             "<p>Groups: " + ", ".join(f'<a href="#{e(g)}">{e(g)}</a>' for g, _, _ in figures) + "</p>"]
+    head.append(_evaluation_table(run.metrics()))
     if run.problems:
         head.append(f'<div class="problems"><h2>Skipped in {METRICS_FILE}</h2><ul>'
                     + "".join(f"<li>{e(p)}</li>" for p in run.problems) + "</ul></div>")

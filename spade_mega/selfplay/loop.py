@@ -16,6 +16,9 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
    ``selfplay.global_batch_size``; after the last step the new weights are streamed into the engine.
 4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
    saved together (state.py).
+5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync, rank 0
+   scores the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
+   (step 0 before training). Evaluation seeds its own sampling, so training goes on as without it.
 
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
 the rollout, and broadcasts each rollout's samples and metrics, so every rank trains on the same batch. Metrics are
@@ -117,6 +120,7 @@ class _Actor:
 
     def __init__(self, cfg: SpadeConfig, run_dir: Path) -> None:
         from spade_mega.inference import build_engine
+        from spade_mega.evaluation import Evaluator
         from spade_mega.rollout import Rollout
         from spade_mega.tokenizer import load_tokenizer
 
@@ -135,6 +139,9 @@ class _Actor:
             self.engine = build_engine(cfg, tokenizer)
             self.closing.append(self.engine)
             self.rollouts = Rollout(cfg, self.engine, self.pool, PromptBuilder.from_config(cfg, tokenizer))
+            # its suites are read (and checked) now, so a missing data file fails before the first rollout
+            self.evaluator = Evaluator(cfg, self.engine, tokenizer, self.pool) \
+                if cfg.eval.interval or cfg.eval.before_train else None
         except BaseException:
             self.close()
             raise
@@ -171,6 +178,16 @@ class _Actor:
                      "now)", discarded["environments"], discarded["evaluations"], state.rollout)
         if transcripts.discard_after(self.run_dir, state.rollout):
             log.info("transcripts: discarded those of the rollouts after %d (replayed now)", state.rollout)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out scores of the weights the engine serves now (``eval/<suite>/<metric>``), and the time taken."""
+        from spade_mega.evaluation import log_metrics
+
+        assert self.evaluator is not None  # built whenever eval.interval or eval.before_train asks for evaluations
+        started = time.perf_counter()
+        values = log_metrics(self.evaluator.evaluate())
+        values["time/eval_s"] = time.perf_counter() - started
+        return values
 
     # --- one rollout ------------------------------------------------------------------------------------------
 
@@ -450,6 +467,8 @@ class SelfPlay:
         done, stopped = start, False
         with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None) \
                 as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
+            if cfg.eval.before_train and checkpoint is None:  # the starting weights, at step 0
+                metrics.log(0, _from_rank0(lambda: actor.evaluate(), share=True))
             for r in range(start + 1, total + 1):
                 began = time.perf_counter()
                 samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
@@ -458,6 +477,8 @@ class SelfPlay:
                 synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
                 values["time/sync_s"] = synced.seconds
                 values["perf/sync_mb_per_s"] = synced.mb_per_s
+                if cfg.eval.interval and r % cfg.eval.interval == 0:
+                    values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()

@@ -1,0 +1,112 @@
+"""``spade-mega eval CONFIG [KEY=VALUE ...] (--checkpoint DIR | --hf-weights DIR) [--suite NAME ...] [-o FILE]``:
+score a run's Megatron checkpoint (streamed into the engine through the bridge, as training syncs it) or a Hugging
+Face folder on the config's ``eval.suites``; print a table and write the results as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from spade_mega.config.loader import load_config
+from spade_mega.errors import SpadeError
+
+
+def format_table(results: Sequence[Any]) -> str:
+    """One block per suite: its name and kind, then ``metric  value`` lines."""
+    lines = []
+    for result in results:
+        lines.append(f"{result.name} ({result.kind})")
+        width = max(len(name) for name in result.metrics)
+        lines += [f"  {name:<{width}}  {value:.4g}" for name, value in result.metrics.items()]
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Atomically: an interrupted write leaves the previous file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    except OSError as exc:
+        raise SpadeError(f"{path}: cannot write the results ({exc.strerror or exc}); give -o a path you can write "
+                         "to") from exc
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from spade_mega.envs.sandbox import SandboxPool
+    from spade_mega.evaluation.runner import Evaluator, selected
+    from spade_mega.inference import build_engine
+    from spade_mega.tokenizer import load_tokenizer
+
+    overrides = list(args.overrides) + ([f"inference.hf_weights={args.hf_weights}"] if args.hf_weights else [])
+    cfg = load_config(args.config, overrides)
+    if not cfg.eval.suites:
+        raise SpadeError(f"{args.config}: no eval.suites to score; add suites under eval: (docs/evaluation.md)")
+    suites = selected(cfg, args.suite)  # before minutes of loading weights
+    if args.checkpoint is None and cfg.inference.hf_weights is None:
+        raise SpadeError("nothing to evaluate: give --checkpoint (a run's Megatron checkpoint) or --hf-weights "
+                         "(a Hugging Face folder); without either the engine would score random weights")
+    trainer = None
+    if args.checkpoint is not None:  # every rank builds the trainer and loads its shards; rank 0 holds the engine
+        from spade_mega.megatron import Trainer
+
+        trainer = Trainer(cfg)
+        step = trainer.load(args.checkpoint)
+        source: dict[str, Any] = {"checkpoint": str(Path(args.checkpoint).absolute()), "step": step}
+    else:
+        source = {"hf_weights": str(Path(cfg.inference.hf_weights).absolute())}  # type: ignore[arg-type]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    engine, pool = None, None
+    try:
+        if rank == 0:
+            tokenizer = load_tokenizer(cfg.model.tokenizer)
+            engine = build_engine(cfg, tokenizer)
+        if trainer is not None:
+            from spade_mega.bridge import sync_weights
+
+            sync_weights(trainer, engine, trainer.step)
+        if rank != 0:
+            return 0
+        assert engine is not None
+        if any(s.kind == "env" for _, s in suites):
+            pool = SandboxPool(cfg.sandbox)
+        results = Evaluator(cfg, engine, tokenizer, pool, only=args.suite).evaluate()
+    finally:
+        for part in (pool, engine):
+            if part is not None:
+                part.close()
+    print(format_table(results))
+    if args.output is not None:
+        _write_json(Path(args.output), {"config": str(Path(args.config).absolute()), **source,
+                                        "seed": cfg.run.seed,
+                                        "suites": [{"name": r.name, "kind": r.kind, "metrics": r.metrics,
+                                                    "details": r.details} for r in results]})
+        print(f"wrote {args.output}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="score a checkpoint on the config's held-out suites (eval.suites)",
+        description="Score a run's Megatron checkpoint (--checkpoint: a step_<N> folder or a checkpoints root, its "
+                    "newest step) or a Hugging Face folder (--hf-weights) on the held-out suites of CONFIG's "
+                    "eval.suites, with the config's engine; print a table, and write JSON with -o. Seeds derive "
+                    "from run.seed, so the same weights give the same scores. Under torchrun every rank loads "
+                    "its shards of the checkpoint and rank 0 evaluates.")
+    parser.add_argument("config", metavar="CONFIG", help="YAML config (the run's: model, engine, eval.suites)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides, values parsed as YAML: run.seed=7 'eval.suites=[{name: a, samples: 8}]'")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", metavar="DIR", help="a run's Megatron checkpoint (step folder or root)")
+    weights.add_argument("--hf-weights", metavar="DIR", help="a Hugging Face folder (config.json, *.safetensors)")
+    parser.add_argument("--suite", action="append", metavar="NAME",
+                        help="score only this suite (repeat for several; default: all of eval.suites)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the metrics and per-item answers as JSON")
+    parser.set_defaults(func=_eval)

@@ -1,0 +1,173 @@
+"""Scoring a model's answer against the reference, and the pass@k estimator.
+
+One mechanism, three parametrisations (``eval.suites[].scorer``): each scorer *extracts* the final answer from the
+completion and *compares* it with the reference answer.
+
+- ``boxed`` (maths, AIME-style): the content of the last ``\\boxed{...}`` (braces nested to any depth), else the last
+  ``Answer: ...`` line; both sides normalised (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a
+  trailing full stop) and compared as exact rational numbers when both read as one (``1,000`` = ``1000``,
+  ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``), else as normalised text.
+- ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
+  is``, or a reply that is just the letter (``(C)``); compared with the reference letter.
+- ``exact``: the boxed or ``Answer:`` answer (else the whole reply), normalised, compared as text.
+
+A completion without an extractable answer scores 0, like a wrong one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Optional
+
+_ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
+# the letter is upper case even where the words are not: "the answer is a number" names no option
+_CHOICE_PHRASE = re.compile(r"(?:answer|option|choice)\s*(?:is|:|：)?\s*(?:option\s*)?\(?((?-i:[A-J]))\)?"
+                            r"(?![A-Za-z])", re.IGNORECASE)
+_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
+_FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), its nested braces balanced; None if there is
+    none or it is not closed."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    open_at = text.find("{", start)
+    if open_at < 0:
+        rest = text[start + len("\\boxed"):].strip()  # "\boxed 5": the token after it
+        return rest.split()[0].rstrip(".$") if rest else None
+    depth = 0
+    for i in range(open_at, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1:i]
+    return None
+
+
+def final_answer(text: str) -> Optional[str]:
+    """The boxed answer, else the last ``Answer: ...`` line's text; None when the reply states neither."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(text)
+    return lines[-1] if lines else None
+
+
+def _unwrap(text: str) -> str:
+    """``\\text{km}`` -> ``km`` for the wrapper commands, innermost first."""
+    for command in _WRAPPERS:
+        pattern = re.compile(re.escape(command) + r"\{([^{}]*)\}")
+        while True:
+            text, count = pattern.subn(r"\1", text)
+            if not count:
+                break
+    return text
+
+
+def normalise(answer: str) -> str:
+    """Text of an answer with formatting that does not change its value removed."""
+    text = _unwrap(answer.strip())
+    text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
+        text = text.replace(spacing, "")
+    text = re.sub(r"\s+", "", text)
+    return text.rstrip(".").strip()
+
+
+def as_number(answer: str) -> Optional[Fraction]:
+    """``answer`` (normalised) as an exact number: an integer, a decimal, ``a/b`` or ``\\frac{a}{b}``, thousands
+    commas allowed; None when it is anything else (an expression, an interval, text)."""
+    text = answer
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    fraction = _FRACTION.fullmatch(text)
+    if fraction is not None:
+        sign, num, den = fraction.groups()
+        text = f"{sign}{num}/{den}"
+    parts = text.split("/")
+    if len(parts) > 2 or not all(_NUMBER.fullmatch(p) for p in parts):
+        return None
+    try:
+        value = Fraction(parts[0])
+        if len(parts) == 2:
+            den = Fraction(parts[1])
+            if den == 0:
+                return None
+            value /= den
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value
+
+
+def _same_maths(predicted: str, reference: str) -> bool:
+    a, b = normalise(predicted), normalise(reference)
+    x, y = as_number(a), as_number(b)
+    if x is not None and y is not None:
+        return x == y
+    return a == b
+
+
+def choice_letter(text: str) -> Optional[str]:
+    """The answer letter a reply ends on (see the module docstring); None if it names none."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        match = _CHOICE.fullmatch(normalise(boxed).upper())
+        if match:
+            return match.group(1)
+    phrases = _CHOICE_PHRASE.findall(text)
+    if phrases:
+        return phrases[-1].upper()
+    match = _CHOICE.fullmatch(normalise(text).upper())
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """``extract(reply)`` -> the answer or None; ``equal(answer, reference)``."""
+
+    name: str
+    extract: Callable[[str], Optional[str]]
+    equal: Callable[[str, str], bool]
+
+    def __call__(self, reply: str, reference: str) -> tuple[Optional[str], bool]:
+        """The extracted answer and whether it is right."""
+        answer = self.extract(reply)
+        return answer, answer is not None and self.equal(answer, reference)
+
+
+def _reference_letter(reference: str) -> str:
+    return choice_letter(reference) or normalise(reference).upper()
+
+
+SCORERS: dict[str, Scorer] = {
+    "boxed": Scorer("boxed", final_answer, _same_maths),
+    "choice": Scorer("choice", choice_letter, lambda answer, reference: answer == _reference_letter(reference)),
+    "exact": Scorer("exact", lambda reply: final_answer(reply) or reply,
+                    lambda answer, reference: normalise(answer) == normalise(reference)),
+}
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``correct`` are right (Chen et al., 2021):
+    1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement hold a right one."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= correct <= n and 1 <= k <= n, got n={n}, correct={correct}, k={k}")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k reported for ``samples`` per item: powers of two above 1, and ``samples`` itself (pass@1 is the
+    accuracy, reported as such)."""
+    return sorted({k for k in (2 ** i for i in range(1, samples.bit_length())) if k <= samples} | {samples} - {1})

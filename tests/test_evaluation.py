@@ -1,0 +1,306 @@
+"""Held-out evaluation: scorers on real answer strings, pass@k against brute force, suite loading errors, the tiny
+model scored for real through the hf engine (twice: the same numbers), an env suite played in real sandbox workers,
+the loop's eval hook in a real `spade-mega train` run, and `spade-mega eval` on its checkpoint and on an HF folder."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sandbox_support import strict_missing
+
+from spade_mega.cli import main
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.config.schema import EvalSuiteConfig
+from spade_mega.envs.sandbox import SandboxPool
+from spade_mega.evaluation import Evaluator, QAItem, load_items, log_metrics, pass_at_k, prompt_text
+from spade_mega.evaluation.scoring import SCORERS, as_number, last_boxed, normalise
+from spade_mega.inference import build_engine
+from spade_mega.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+SCRIPT = Path(sys.executable).with_name("spade-mega")
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+ISOLATION = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+
+# --- scorers ----------------------------------------------------------------------------------------------------
+
+BOXED = [  # (model reply, reference, right?)
+    ("Adding the cases gives 204 + 73 = 277, so the answer is $\\boxed{277}$.", "277", True),
+    ("\\boxed{033}", "33", True),  # AIME answers are 000-999: leading zeros are formatting
+    ("The count is \\boxed{1,024}.", "1024", True),
+    ("so $m/n = \\boxed{\\dfrac{7}{12}}$", "7/12", True),
+    ("\\boxed{\\frac{14}{24}}", "\\frac{7}{12}", True),  # equal as numbers
+    ("\\boxed{0.50}", "1/2", True),
+    ("\\boxed{2.0}", "2", True),
+    ("\\boxed{\\text{(B) } 12 \\text{ cm}}", "(B) 12 cm", True),  # text compared after normalisation
+    ("first \\boxed{5}, but wait: \\boxed{6}", "6", True),  # the last box
+    ("\\boxed{x^{2} + \\frac{1}{2}}", "x^{2}+\\frac{1}{2}", True),  # nested braces, spaces
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", True),
+    ("Therefore.\nAnswer: 45", "45", True),
+    ("Final answer: $-3$.", "-3", True),
+    ("\\boxed{278}", "277", False),
+    ("\\boxed{7/11}", "7/12", False),
+    ("I think it is 277.", "277", False),  # no box, no Answer: line
+    ("\\boxed{27", "27", False),  # never closed
+]
+
+
+@pytest.mark.parametrize("reply, reference, right", BOXED)
+def test_boxed_scorer_reads_the_final_maths_answer(reply: str, reference: str, right: bool) -> None:
+    assert SCORERS["boxed"](reply, reference)[1] is right
+
+
+CHOICE = [
+    ("Comparing the four options, the answer is (C).", "C", True),
+    ("Answer: B", "(B)", True),
+    ("\\boxed{D}", "D", True),
+    ("A is tempting, but the answer is a subtle one... Final answer: (A)", "A", True),
+    ("(B)", "B", True),
+    ("Answer: B", "C", False),
+    ("I cannot decide.", "A", False),
+]
+
+
+@pytest.mark.parametrize("reply, reference, right", CHOICE)
+def test_choice_scorer_reads_the_final_letter(reply: str, reference: str, right: bool) -> None:
+    assert SCORERS["choice"](reply, reference)[1] is right
+
+
+def test_exact_scorer_and_the_normalisation_pieces() -> None:
+    assert SCORERS["exact"]("  Paris. ", "Paris")[1] and not SCORERS["exact"]("Lyon", "Paris")[1]
+    assert SCORERS["exact"]("Answer: $x = 2$", "x=2")[1]
+    assert not SCORERS["exact"]("\\boxed{2.0}", "2")[1]  # text, not numbers
+    assert last_boxed("a \\boxed{\\frac{a}{\\sqrt{b}}} b") == "\\frac{a}{\\sqrt{b}}"
+    assert normalise(" $\\text{12}\\,\\mathrm{cm}$. ") == "12cm"
+    assert as_number("-1,234.50") == Fraction(-246900, 200) and as_number("3/0") is None and as_number("x") is None
+
+
+def test_pass_at_k_is_the_unbiased_estimate_brute_forced() -> None:
+    """Over every k-subset of n samples of which c are right, the share holding a right one."""
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+# --- suites -----------------------------------------------------------------------------------------------------
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_suites_load_from_jsonl_and_parquet_with_configured_fields(tmp_path: Path) -> None:
+    rows = [{"problem": "Find 2+2.", "meta": {"id": "p1", "solution": 4}},
+            {"problem": "Find 3+3.", "meta": {"id": "p2", "solution": 6}}]
+    suite = EvalSuiteConfig(name="s", path=str(_write_jsonl(tmp_path / "s.jsonl", rows)), question_field="problem",
+                            answer_field="meta.solution", id_field="meta.id")
+    assert load_items(suite) == [QAItem("p1", "Find 2+2.", "4"), QAItem("p2", "Find 3+3.", "6")]
+    pq.write_table(pa.Table.from_pylist([{"q": "Which is a gas?", "options": ["iron", "neon"], "a": "B"}]),
+                   tmp_path / "g.parquet")
+    gpqa = EvalSuiteConfig(name="g", path=str(tmp_path / "g.parquet"), question_field="q", answer_field="a",
+                           choices_field="options", scorer="choice", prompt_template="{question}\n{choices}\nAnswer:")
+    [item] = load_items(gpqa)
+    assert prompt_text(gpqa, item) == "Which is a gas?\nA. iron\nB. neon\nAnswer:"
+    assert len(load_items(EvalSuiteConfig(name="b", max_items=5))) == 5  # builtin:arithmetic
+
+
+@pytest.mark.parametrize("rows, change, path, message", [
+    (None, {"path": "/nonexistent/aime25.jsonl"}, "eval.suites[0].path", "no such file"),
+    ([{"question": "q"}], {}, "eval.suites[0].answer_field", r"no field 'answer' \(its fields: question\)"),
+    ([{"problem": "q", "answer": 1}], {}, "eval.suites[0].question_field", "no field 'question'"),
+    ([{"question": "q", "answer": "1", "opts": "A or B"}], {"choices_field": "opts"}, "eval.suites[0].choices_field",
+     "must be a list"),
+    ([{"question": "q", "answer": "1", "id": 7}, {"question": "r", "answer": "2", "id": 7}], {"id_field": "id"},
+     "eval.suites[0].id_field", "occurs more than once"),
+    (None, {"path": "builtin:calculus"}, "eval.suites[0].path", "no built-in suite"),
+    (None, {"path": "data.csv"}, "eval.suites[0].path", "cannot tell the format"),
+])
+def test_a_bad_suite_is_refused_naming_the_setting(tmp_path: Path, rows: list | None, change: dict, path: str,
+                                                   message: str) -> None:
+    fields = {"name": "s", "path": str(_write_jsonl(tmp_path / "s.jsonl", rows)) if rows else "", **change}
+    with pytest.raises(ConfigError, match=message) as info:
+        load_items(EvalSuiteConfig(**fields))
+    assert info.value.path == path
+
+
+def test_a_broken_jsonl_line_is_named(tmp_path: Path) -> None:
+    (tmp_path / "s.jsonl").write_text('{"question": "q", "answer": "1"}\n{"question": \n')
+    with pytest.raises(ConfigError, match=r"s.jsonl:2: not a JSON object per line"):
+        load_items(EvalSuiteConfig(name="s", path=str(tmp_path / "s.jsonl")))
+
+
+@pytest.mark.parametrize("overrides, path", [
+    (["eval.interval=2"], "eval.suites"),
+    (["eval.suites=[{name: a}, {name: a}]"], "eval.suites[1].name"),
+    (["eval.suites=[{name: 'a b'}]"], "eval.suites[0].name"),
+    (["eval.suites=[{name: a, scorer: boxd}]"], "eval.suites[0].scorer"),
+    (["eval.suites=[{name: a, samples: 0}]"], "eval.suites[0].samples"),
+    (["eval.suites=[{name: a, kind: env}]"], "eval.suites[0].environments"),
+    (["eval.suites=[{name: a, prompt_template: 'Solve it.'}]"], "eval.suites[0].prompt_template"),
+    (["eval.interval=-1"], "eval.interval"),
+])
+def test_eval_config_errors_name_the_key(overrides: list[str], path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, ["eval.before_train=false", "eval.suites=[]", *overrides])
+    assert info.value.path == path
+
+
+# --- the tiny model scored for real -----------------------------------------------------------------------------
+
+QA = ("eval.suites=[{name: arith, path: 'builtin:arithmetic', max_items: 4, samples: 3, max_response_tokens: 12}, "
+      "{name: echo, path: '%s', scorer: exact, max_items: 4, samples: 2, temperature: 0.0, "
+      "max_response_tokens: 6}]")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's weights as a Hugging Face folder (seeded, wider than the init: livelier completions); the
+    engine's own random init is not seeded, so engines that must agree start from here."""
+    import torch
+
+    from spade_mega.inference.hf import build_hf_model
+
+    model = build_hf_model(load_config(TINY).model, dtype=torch.float32, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    folder = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # type: ignore[no-untyped-def]
+    """One torch thread, as the other engine tests run: two on this shared 2-core machine made generation 50x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _evaluate(cfg, pool=None, only=None):  # type: ignore[no-untyped-def]
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    engine = build_engine(cfg, tokenizer)
+    try:
+        return Evaluator(cfg, engine, tokenizer, pool, only=only).evaluate()
+    finally:
+        engine.close()
+
+
+def test_the_tiny_model_is_scored_the_same_twice_and_scored_on_its_real_answers(tmp_path: Path,
+                                                                               hf_folder: Path) -> None:
+    """Two fresh hf engines on the same weights give the same completions and numbers. A second suite's references
+    are then set to the model's own greedy replies for half the items: those score, the others do not."""
+    echo = _write_jsonl(tmp_path / "echo.jsonl", [{"question": f"Say {w}.", "answer": "?"} for w in "abcd"])
+    cfg = load_config(TINY, [QA % echo, f"inference.hf_weights={hf_folder}"])
+    first, second = _evaluate(cfg), _evaluate(cfg)
+    assert [(r.metrics, r.details) for r in first] == [(r.metrics, r.details) for r in second]
+    arith = first[0].metrics
+    assert set(arith) == {"accuracy", "pass_at_2", "pass_at_3", "response_tokens", "truncated", "items"}
+    assert arith["items"] == 4 and 0 < arith["response_tokens"] <= 12 and 0 <= arith["truncated"] <= 1
+    assert arith["accuracy"] == 0.0  # a random tiny model does no arithmetic
+
+    replies = [d["answers"][0] for d in first[1].details]
+    assert all(d["answers"][0] == d["answers"][1] for d in first[1].details)  # temperature 0: both samples agree
+    _write_jsonl(echo, [{"question": f"Say {w}.", "answer": replies[i] if i < 2 else replies[i] + "#"}
+                        for i, w in enumerate("abcd")])
+    [echoed] = _evaluate(cfg, only=["echo"])
+    assert echoed.metrics["accuracy"] == 0.5 and echoed.metrics["pass_at_2"] == 0.5
+    assert [d["correct"] for d in echoed.details] == [2, 2, 0, 0]
+    assert log_metrics([echoed])["eval/echo/accuracy"] == 0.5
+
+
+def test_an_env_suite_is_played_by_the_agent_in_sandbox_workers(hf_folder: Path) -> None:
+    cfg = load_config(TINY, [*ISOLATION, "eval.suites=[{name: games, kind: env, environments: [grid_maze, "
+                                         "running_total], episodes: 2, max_response_tokens: 8}]",
+                             "rollout.max_turns=2", f"inference.hf_weights={hf_folder}"])
+    with SandboxPool(cfg.sandbox) as pool:
+        first = _evaluate(cfg, pool)[0]
+        again = _evaluate(cfg, pool)[0]
+    assert first.metrics == again.metrics and first.details == again.details
+    assert first.metrics["episodes"] == 4 and first.metrics["failed"] == 0.0 and 1 <= first.metrics["turns"] <= 2
+    assert [d["environment"] for d in first.details] == ["grid_maze", "running_total"]
+    assert all(len(d["returns"]) == 2 for d in first.details)
+
+
+def test_an_unknown_environment_is_named_before_anything_is_played() -> None:
+    cfg = load_config(TINY, ["eval.suites=[{name: g, kind: env, environments: [grid_mazes]}]"])
+    with pytest.raises(ConfigError, match="no library environment 'grid_mazes'") as info:
+        Evaluator(cfg, None, load_tokenizer(None))  # type: ignore[arg-type]
+    assert info.value.path == "eval.suites[0].environments"
+
+
+# --- in the loop, and `spade-mega eval` -------------------------------------------------------------------------
+
+LOOP = ["selfplay.num_rollouts=2", "selfplay.regen_interval=2", "selfplay.save_interval=2",
+        "selfplay.global_batch_size=4", "rollout.envs_per_rollout=1", "rollout.agent_trajectories_per_env=2",
+        "rollout.hint_plays_per_env=1", "rollout.max_turns=2", "rollout.max_response_tokens=8",
+        "rollout.max_designer_tokens=16", "curriculum.corpus.token_budget=64", "logging.tensorboard=false",
+        "logging.progress=false", "eval.interval=2", "eval.before_train=true"]
+
+
+@pytest.mark.slow
+def test_the_loop_evaluates_at_its_interval_and_eval_rescores_the_checkpoint(tmp_path: Path) -> None:
+    """Scores at step 0 (before training) and 2 (eval.interval), none at 1; the report's evaluation table; then
+    `spade-mega eval --checkpoint` on the saved checkpoint of rollout 2 reproduces the loop's step-2 scores."""
+    train = subprocess.run([str(SCRIPT), "train", str(TINY), f"run.output_dir={tmp_path}", *LOOP, *ISOLATION],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
+    assert train.returncode == 0, train.stderr[-4000:]
+    run_dir = tmp_path / "tiny_cpu"
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == [0, 1, 2]
+    scored = {step for step, r in records.items() if "eval/arithmetic/accuracy" in r}
+    assert scored == {0, 2}
+    assert records[2]["time/eval_s"] > 0 and records[0]["eval/arithmetic/items"] == 4
+    assert '<h2 id="evaluation">Evaluation</h2>' in (run_dir / "report.html").read_text()
+
+    out = tmp_path / "results.json"
+    cli = subprocess.run([str(SCRIPT), "eval", str(TINY), f"run.output_dir={tmp_path}", *ISOLATION,
+                          "--checkpoint", str(run_dir / "checkpoints"), "-o", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
+    assert cli.returncode == 0, cli.stderr[-4000:]
+    assert "arithmetic (qa)" in cli.stdout and "accuracy" in cli.stdout
+    result = json.loads(out.read_text())
+    assert result["step"] > 0 and [s["name"] for s in result["suites"]] == ["arithmetic"]
+    assert {f"eval/arithmetic/{k}": v for k, v in result["suites"][0]["metrics"].items()} == \
+        {k: v for k, v in records[2].items() if k.startswith("eval/")}
+
+
+def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's engine serves the folder's weights: its answers are those of an engine started from them."""
+    suite = "eval.suites=[{name: arithmetic, max_items: 3, temperature: 0.0, max_response_tokens: 6}, {name: other}]"
+    assert main(["eval", str(TINY), suite, "--hf-weights", str(hf_folder), "-o", str(tmp_path / "a.json"),
+                 "--suite", "arithmetic"]) == 0
+    assert "arithmetic (qa)" in capsys.readouterr().out
+    result = json.loads((tmp_path / "a.json").read_text())
+    assert result["hf_weights"] == str(hf_folder.absolute()) and len(result["suites"]) == 1
+    [direct] = _evaluate(load_config(TINY, [suite, f"inference.hf_weights={hf_folder}"]), only=["arithmetic"])
+    assert result["suites"][0]["details"] == direct.details and result["suites"][0]["metrics"] == direct.metrics
+
+
+def test_eval_refuses_without_weights_or_with_an_unknown_suite(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", str(TINY)]) == 2
+    assert "give --checkpoint" in capsys.readouterr().err
+    assert main(["eval", str(TINY), "--hf-weights", str(tmp_path), "--suite", "aime"]) == 2
+    assert "no suite named 'aime'" in capsys.readouterr().err
