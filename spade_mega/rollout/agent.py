@@ -190,6 +190,7 @@ class _Lockstep:
             finish = self.chat.finish_reason(gen)
             episode.finish_reasons.append(finish)
             answer = decode(self.chat.tokenizer, self.chat.content_ids(gen.output_ids, finish))
+            episode.replies.append(answer)
             action = parse_agent_output(answer)
             episode.actions.append(action.text)
             episode.malformed_actions += not action.well_formed

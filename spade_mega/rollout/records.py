@@ -157,6 +157,7 @@ class AgentEpisode:
     actions: list[str] = field(default_factory=list)  # parsed from each turn's output, as sent to step()
     malformed_actions: int = 0  # turns whose output had no <action> tag (the whole answer was sent)
     finish_reasons: list[str] = field(default_factory=list)  # per turn: "stop" or "length" (cut at the budget)
+    replies: list[str] = field(default_factory=list)  # per turn: the decoded answer, without the stop token
     step_rewards: list[float] = field(default_factory=list)
     terminated: bool = False
     truncated: bool = False  # ended without the environment terminating it: its own truncation, the turn limit,

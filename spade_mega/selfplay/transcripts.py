@@ -3,7 +3,8 @@ advantage and whether it was trained on (written by :mod:`spade_mega.monitor.tra
 
 Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
 
-- ``episode`` (role agent): an agent play, hint plays included; the decoded prompt, then per turn the model's reply,
+- ``episode`` (role agent): an agent play, hint plays included; the decoded prompt, then per turn the model's reply
+  (as the rollout decoded it, without the stop token),
   the action sent to ``step()``, its step reward and the next observation; return (sum of step rewards), the training
   reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
   program broke are played but never trained on: advantage null).
@@ -47,9 +48,14 @@ class RolloutTranscript:
         self.rollout, self.tokenizer = rollout, tokenizer
         self.records: list[dict[str, Any]] = []
         self._trainable: dict[int, dict[str, Any]] = {}  # id(token list) -> the record of that trajectory
+        self._decoded: dict[tuple[int, ...], Optional[str]] = {}
 
     def _text(self, ids: Sequence[int]) -> Optional[str]:
-        return clip(decode(self.tokenizer, ids), self.limit)
+        """``ids`` decoded and clipped; the plays of an environment share their prompt, decoded once."""
+        key = tuple(ids)
+        if key not in self._decoded:
+            self._decoded[key] = clip(decode(self.tokenizer, ids), self.limit)
+        return self._decoded[key]
 
     def designer_output(self, outcome: DesignerOutcome, sample: DesignerSample, slot: DesignerSlot) -> None:
         if not self.enabled:
@@ -86,8 +92,8 @@ class RolloutTranscript:
             seq = ep.sequence
             prompt = ep.turn_spans[0][0] if ep.turn_spans else len(seq)
             turns = []
-            for t, (start, end) in enumerate(ep.turn_spans):
-                turns.append({"reply": self._text(seq.token_ids[start:end]),
+            for t in range(len(ep.turn_spans)):
+                turns.append({"reply": clip(ep.replies[t], self.limit) if t < len(ep.replies) else None,
                               "action": clip(ep.actions[t], self.limit) if t < len(ep.actions) else None,
                               "finish_reason": ep.finish_reasons[t] if t < len(ep.finish_reasons) else None,
                               "reward": ep.step_rewards[t] if t < len(ep.step_rewards) else None,

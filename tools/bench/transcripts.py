@@ -103,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             ep.observations.append(prompt)
             for _ in range(args.turns):
                 start = len(ep.sequence)
-                reply = _ids(prose.take(int(args.reply_tokens * c)))
+                text = prose.take(int(args.reply_tokens * c))
+                reply = _ids(text)
                 ep.sequence.append_generated(reply, [-0.5] * len(reply), 0)
+                ep.replies.append(text)
                 ep.turn_spans.append((start, len(ep.sequence)))
                 observation = prose.take(int(args.observation_tokens * c))
                 ep.sequence.append_context(_ids(observation))
