@@ -174,7 +174,8 @@ def _episode(env: ActiveEnv, tokenizer, hinted: bool, reward: float) -> AgentEpi
     return ep
 
 
-def test_each_record_carries_the_advantage_its_train_sample_carries() -> None:
+def test_each_record_carries_the_advantage_its_train_sample_carries(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     """The loop's wiring on hand-made episodes with different rewards: the advantage a record states is the one
     the trainer's sample of that trajectory holds; hint plays and the masked designer reward are not trained."""
     cfg = load_config(TINY, [])
@@ -214,6 +215,10 @@ def test_each_record_carries_the_advantage_its_train_sample_carries() -> None:
                     "observation": "second observation"}
     assert transcript.records[0]["prompt"] == "the prompt" and transcript.records[0]["weight_version"] == 3
 
+    (Path(tmp_path) / "rollouts").write_text("a file where the folder goes")
+    with caplog.at_level("WARNING", logger="spade_mega.selfplay"):
+        assert transcript.write(tmp_path) is None  # a transcript that cannot be written does not stop training
+    assert "rollout 4: transcript not written to" in caplog.text
     off = RolloutTranscript(load_config(TINY, ["logging.transcripts=false"]), 4, tokenizer)
     off.episodes(envs, episodes)
     assert off.records == [] and off.write(Path("/nonexistent")) is None

@@ -19,6 +19,7 @@ episode's (or the designer sample's) own list, so the advantage recorded is the 
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -26,12 +27,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from spade_mega.config.schema import SpadeConfig
-from spade_mega.monitor.transcripts import clip, write_rollout
+from spade_mega.monitor.transcripts import clip, transcript_path, write_rollout
 from spade_mega.rl.delayed import DesignerSample, ReleasedDesignerSample
 from spade_mega.rollout.chat import decode
 from spade_mega.rollout.records import AgentEpisode, DesignerOutcome, DesignerSlot, TokenSequence
 from spade_mega.selfplay.batch import Trajectory
 from spade_mega.selfplay.state import ActiveEnv
+
+log = logging.getLogger("spade_mega.selfplay")
 
 
 def _tokens(sequence: TokenSequence, prompt: int) -> dict[str, int]:
@@ -141,4 +144,13 @@ class RolloutTranscript:
             record.update(reward=t.reward, advantage=advantage if t.valid else None, trained=t.valid)
 
     def write(self, run_dir: Path) -> Optional[Path]:
-        return write_rollout(run_dir, self.rollout, self.records) if self.enabled else None
+        """The rollout's file; a transcript that cannot be written (disk full, folder not writable) is a warning:
+        it is a record of the run, and the run goes on without it (the previous rollouts' files stay whole)."""
+        if not self.enabled:
+            return None
+        try:
+            return write_rollout(run_dir, self.rollout, self.records)
+        except (OSError, ValueError) as exc:
+            log.warning("rollout %d: transcript not written to %s (%s: %s); training goes on", self.rollout,
+                        transcript_path(run_dir, self.rollout), type(exc).__name__, exc)
+            return None
