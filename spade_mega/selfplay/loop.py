@@ -56,6 +56,7 @@ from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging, transcripts
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
+from spade_mega.selfplay.lock import RunDirLock
 from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
 from spade_mega.selfplay.transcripts import RolloutTranscript
 
@@ -420,8 +421,15 @@ class SelfPlay:
         return latest
 
     def _start_actor(self) -> "_Actor":
-        prepare_run_dir(self.cfg)
-        return _Actor(self.cfg, self.run_dir)
+        lock = RunDirLock(self.run_dir)  # before anything is written there; a second trainer stops here
+        try:
+            prepare_run_dir(self.cfg)
+            actor = _Actor(self.cfg, self.run_dir)
+        except BaseException:
+            lock.close()
+            raise
+        actor.closing.insert(0, lock)  # released last, once everything that writes the run directory is closed
+        return actor
 
     def run(self) -> RunSummary:
         cfg = self.cfg

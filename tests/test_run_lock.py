@@ -1,0 +1,65 @@
+"""One trainer per run directory: a second one fails at start naming the holder; the lock dies with its process, so
+a requeued job (the old one killed) takes it again. Real processes, a real `spade-mega train`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spade_mega.selfplay.lock import LOCK_FILE, RunDirInUseError, RunDirLock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+SCRIPT = Path(sys.executable).with_name("spade-mega")
+HOLD = """import sys, time
+from spade_mega.selfplay.lock import RunDirLock
+lock = RunDirLock(sys.argv[1])
+print("HELD", flush=True)
+time.sleep(600)
+"""
+
+
+def hold(run_dir: Path) -> subprocess.Popen:
+    """Another process (a running trainer, as far as the lock goes) holding ``run_dir``'s lock."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+def test_a_second_holder_is_refused_naming_the_first_until_it_dies(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    holder = hold(run_dir)
+    try:
+        with pytest.raises(RunDirInUseError, match=f"pid {holder.pid} on host {socket.gethostname()}"):
+            RunDirLock(run_dir)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # as a job's kill or an OOM does: no clean-up runs
+        holder.wait()
+    lock = RunDirLock(run_dir)  # the requeued job
+    assert f'"pid": {os.getpid()}' in (run_dir / LOCK_FILE).read_text()
+    with pytest.raises(RunDirInUseError, match=f"pid {os.getpid()}"):
+        RunDirLock(run_dir)  # another open file: flock excludes it even within one process
+    lock.close()
+    RunDirLock(run_dir).close()
+
+
+def test_train_on_a_run_directory_in_use_fails_at_start_and_writes_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "tiny_cpu"
+    holder = hold(run_dir)
+    try:
+        proc = subprocess.run([str(SCRIPT), "train", str(TINY), f"run.output_dir={tmp_path}", "run.name=tiny_cpu"],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"{run_dir} is in use by another trainer (pid {holder.pid} on host" in last, last
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # no config, memory, metrics or checkpoint
