@@ -22,7 +22,7 @@ from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config
 from spade_mega.config.schema import EvalSuiteConfig
 from spade_mega.envs.sandbox import SandboxPool
-from spade_mega.evaluation import Evaluator, QAItem, load_items, log_metrics, pass_at_k, prompt_text
+from spade_mega.evaluation import EvalError, Evaluator, QAItem, load_items, log_metrics, pass_at_k, prompt_text
 from spade_mega.evaluation.scoring import SCORERS, as_number, last_boxed, normalise
 from spade_mega.inference import build_engine
 from spade_mega.tokenizer import load_tokenizer
@@ -247,6 +247,61 @@ def test_an_unknown_environment_is_named_before_anything_is_played() -> None:
     with pytest.raises(ConfigError, match="no library environment 'grid_mazes'") as info:
         Evaluator(cfg, None, load_tokenizer(None))  # type: ignore[arg-type]
     assert info.value.path == "eval.suites[0].environments"
+
+
+# --- code: run in sandbox workers ------------------------------------------------------------------------------
+
+ADD = [("1 2\n", "3\n"), ("10 20\n", "30")]
+SOLUTIONS = {  # solution -> passes both tests?
+    "a, b = map(int, input().split())\nprint(a + b)\n": True,
+    "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.write(f'{a + b}\\n')\n": True,
+    "import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)\n": True,
+    "a, b = map(int, input().split())\nprint(a * b)\n": False,  # right on neither
+    "a, b = map(int, input().split())\nprint(3)\n": False,  # right on the first test only
+    "while True:\n    pass\n": False,  # past sandbox.call_timeout_s
+    "raise ValueError('no')\n": False,
+    "import os\nos._exit(3)\n": False,  # kills its worker
+}
+
+
+def test_code_solutions_run_against_their_tests_in_sandbox_workers() -> None:
+    from spade_mega.evaluation.code import extract_code, run_tests
+
+    cfg = load_config(TINY, [*ISOLATION, "sandbox.call_timeout_s=1"])
+    solutions = [*SOLUTIONS, None]  # None: no code block in the reply
+    with SandboxPool(cfg.sandbox) as pool:
+        assert run_tests(pool, solutions, [ADD] * len(solutions), width=4) == [*SOLUTIONS.values(), False]
+    reply = "First try:\n```python\nprint(1)\n```\nBetter:\n```py\nprint(2)\n```\nDone."
+    assert extract_code(reply) == "print(2)\n" and extract_code("print(2)") is None
+
+
+@pytest.mark.parametrize("answer, message", [
+    ("[]", "non-empty list of test cases"),
+    ('[{"input": "1"}]', "needs text 'input' and 'output'"),
+    ('[{"input": "1", "output": "2", "testtype": "functional"}]', "'functional' is not supported"),
+    ("not json", "not JSON"),
+])
+def test_code_suite_test_cases_are_checked_when_loaded(tmp_path: Path, answer: str, message: str) -> None:
+    path = _write_jsonl(tmp_path / "lcb.jsonl", [{"question": "Add two numbers.", "answer": answer}])
+    with pytest.raises(ConfigError, match=message) as info:
+        load_items(EvalSuiteConfig(name="lcb", path=str(path), scorer="code"))
+    assert info.value.path == "eval.suites[0].answer_field"
+
+
+def test_a_code_suite_is_scored_end_to_end(tmp_path: Path, hf_folder: Path) -> None:
+    """The tiny model writes no code block: every sample fails, through the whole path (prompt, engine,
+    extraction, sandbox); the suite needs a pool."""
+    path = _write_jsonl(tmp_path / "lcb.jsonl", [{"question": "Add two numbers.", "answer": json.dumps(
+        [{"input": i, "output": o, "testtype": "stdin"} for i, o in ADD])}])
+    cfg = load_config(TINY, [*ISOLATION, f"inference.hf_weights={hf_folder}",
+                             f"eval.suites=[{{name: lcb, path: '{path}', scorer: code, samples: 2, "
+                             "max_response_tokens: 8}]"])
+    with pytest.raises(EvalError, match="run in sandbox workers"):
+        _evaluate(cfg)
+    with SandboxPool(cfg.sandbox) as pool:
+        [result] = _evaluate(cfg, pool)
+    assert result.metrics["accuracy"] == 0.0 and result.details[0]["reference"] == "2 test cases"
+    assert result.details[0]["answers"] == [None, None]
 
 
 # --- in the loop, and `spade-mega eval` -------------------------------------------------------------------------

@@ -644,7 +644,7 @@ class EvalSuiteConfig:
     answer_field: str = "answer"
     choices_field: Optional[str] = None  # a list of options, rendered as "A. ...", "B. ..." into {choices}
     id_field: Optional[str] = None  # None = the item's position in the file
-    scorer: Literal["boxed", "choice", "exact"] = "boxed"
+    scorer: Literal["boxed", "choice", "exact", "code"] = "boxed"  # code: answer_field holds stdin/stdout tests
     prompt_template: str = "{question}\n\nPut your final answer within \\boxed{}."
     system_prompt: Optional[str] = None
     samples: int = 1  # completions per item (k of avg@k and pass@k)

@@ -75,7 +75,7 @@ def _eval(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
         assert engine is not None
-        if any(s.kind == "env" for _, s in suites):
+        if any(s.kind == "env" or s.scorer == "code" for _, s in suites):  # these run in sandbox workers
             pool = SandboxPool(cfg.sandbox)
         results = Evaluator(cfg, engine, tokenizer, pool, only=args.suite).evaluate()
     finally:
@@ -102,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "its shards of the checkpoint and rank 0 evaluates.")
     parser.add_argument("config", metavar="CONFIG", help="YAML config (the run's: model, engine, eval.suites)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides, values parsed as YAML: run.seed=7 'eval.suites=[{name: a, samples: 8}]'")
+                        help="dotted overrides, values parsed as YAML: run.seed=7 'eval.suites=[{name: a}]'")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", metavar="DIR", help="a run's Megatron checkpoint (step folder or root)")
     weights.add_argument("--hf-weights", metavar="DIR", help="a Hugging Face folder (config.json, *.safetensors)")

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import EvalSuiteConfig
+from spade_mega.evaluation.code import parse_tests
 
 BUILTIN = ("arithmetic",)
 _LETTERS = "ABCDEFGHIJ"
@@ -138,6 +139,8 @@ def _item(suite: EvalSuiteConfig, where: str, position: int, location: str, reco
     if not isinstance(question, str) or not question.strip():
         raise ConfigError(f"{where}.question_field", f"{location}: {suite.question_field!r} must be non-empty text, "
                                                      f"got {question!r}"[:400])
+    if suite.scorer == "code":  # the reference is the item's test cases, kept as JSON text
+        answer = json.dumps(parse_tests(answer, f"{where}.answer_field", location))
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise ConfigError(f"{where}.answer_field", f"{location}: {suite.answer_field!r} must be text or a number, "
                                                    f"got {answer!r}"[:400])

@@ -16,6 +16,7 @@ overflow ended).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
@@ -28,6 +29,7 @@ from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.errors import SpadeError
+from spade_mega.evaluation.code import extract_code, run_tests
 from spade_mega.evaluation.datasets import QAItem, load_items, prompt_text
 from spade_mega.evaluation.scoring import SCORERS, pass_at_k, pass_ks
 from spade_mega.inference.base import Engine, GenerationRequest, SamplingParams
@@ -100,8 +102,9 @@ class Evaluator:
                 self.items[suite.name] = load_items(suite, f"eval.suites[{i}]")
             else:
                 self.programs[suite.name] = [(name, self._program(i, name)) for name in suite.environments]
-        if self.programs and pool is None:
-            raise EvalError(f"env suites ({', '.join(self.programs)}) are played in sandbox workers: pass a pool")
+        sandboxed = [s.name for _, s in self.suites if s.kind == "env" or s.scorer == "code"]
+        if sandboxed and pool is None:
+            raise EvalError(f"suites {', '.join(sandboxed)} run in sandbox workers (environments, code): pass a pool")
 
     @staticmethod
     def _program(i: int, name: str) -> EnvProgram:
@@ -145,26 +148,33 @@ class Evaluator:
             chunk = requests[start:start + CHUNK]
             generations += self.engine.generate(chunk)
             bar.advance(len(chunk))
-        scorer = SCORERS[suite.scorer]
         n = suite.samples
-        details, accuracy, lengths, truncated = [], [], [], []
+        finishes = [self.chat.finish_reason(gen) for gen in generations]
+        replies = [decode(tokenizer, self.chat.content_ids(gen.output_ids, finish))
+                   for gen, finish in zip(generations, finishes)]
+        references = [item.answer for item in items for _ in range(n)]
+        if suite.scorer == "code":
+            assert self.pool is not None  # checked in __init__
+            answers = [extract_code(reply) for reply in replies]
+            tests = [[(case[0], case[1]) for case in json.loads(reference)] for reference in references]
+            right = run_tests(self.pool, answers, tests, self.cfg.rollout.max_open_envs)
+        else:
+            scored = [SCORERS[suite.scorer](reply, reference) for reply, reference in zip(replies, references)]
+            answers, right = [answer for answer, _ in scored], [ok for _, ok in scored]
+        details, accuracy = [], []
         passes: dict[int, list[float]] = {k: [] for k in pass_ks(n)}
         for index, item in enumerate(items):
-            answers, right = [], 0
-            for gen in generations[index * n:(index + 1) * n]:
-                finish = self.chat.finish_reason(gen)
-                reply = decode(tokenizer, self.chat.content_ids(gen.output_ids, finish))
-                answer, correct = scorer(reply, item.answer)
-                answers.append(answer)
-                right += correct
-                lengths.append(float(len(gen.output_ids)))
-                truncated.append(float(finish == "length"))
-            accuracy.append(right / n)
+            correct = sum(right[index * n:(index + 1) * n])
+            accuracy.append(correct / n)
             for k in passes:
-                passes[k].append(pass_at_k(n, right, k))
-            details.append({"id": item.item_id, "reference": item.answer, "answers": answers, "correct": right})
+                passes[k].append(pass_at_k(n, correct, k))
+            reference = f"{len(json.loads(item.answer))} test cases" if suite.scorer == "code" else item.answer
+            details.append({"id": item.item_id, "reference": reference, "answers": answers[index * n:(index + 1) * n],
+                            "correct": correct})
         metrics = {"accuracy": _mean(accuracy), **{f"pass_at_{k}": _mean(v) for k, v in passes.items()},
-                   "response_tokens": _mean(lengths), "truncated": _mean(truncated), "items": float(len(items))}
+                   "response_tokens": _mean([float(len(gen.output_ids)) for gen in generations]),
+                   "truncated": _mean([float(finish == "length") for finish in finishes]),
+                   "items": float(len(items))}
         return SuiteResult(suite.name, "qa", metrics, details)
 
     # --- environment suites -------------------------------------------------------------------------------------

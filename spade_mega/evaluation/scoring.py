@@ -11,7 +11,8 @@ completion and *compares* it with the reference answer.
   is``, or a reply that is just the letter (``(C)``); compared with the reference letter.
 - ``exact``: the boxed or ``Answer:`` answer (else the whole reply), normalised, compared as text.
 
-A completion without an extractable answer scores 0, like a wrong one.
+A completion without an extractable answer scores 0, like a wrong one. The fourth scorer, ``code``, runs programs
+and so lives apart (``code.py``: in sandbox workers).
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""The ``code`` scorer (LiveCodeBench-style stdin/stdout problems): the completion's last fenced code block is run on
+every test case of its item, in sandbox workers, never in this process.
+
+Each candidate program travels inside a small environment program (the contract every sandbox worker runs): one
+``step(str(i))`` runs test ``i``, the candidate executed as ``__main__`` with the test's input as standard input;
+the step's reward is 1 when the printed output equals the expected one token for token (whitespace and line breaks
+aside). Every test is one call, so each has ``sandbox.call_timeout_s``; a timeout, a crash, a wrong answer or a
+program that kills its worker fails the item, and the first failure ends its run. Functional (LeetCode-style,
+call-a-method) tests are not supported: convert them to stdin/stdout first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional, Sequence
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.envs.program import EnvProgram
+from spade_mega.envs.sandbox import SandboxError, SandboxPool
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+# runs inside the sandbox worker; SOLUTION and TESTS are literals written in by tests_program()
+_RUNNER = '''
+import io
+import sys
+
+SOLUTION = {solution!r}
+TESTS = {tests!r}
+
+
+class CodeTests:
+    """Step i runs the candidate program on test case i; reward 1 when its output matches."""
+
+    max_turns = {count}
+
+    def reset(self, seed):
+        return f"{{len(TESTS)}} test cases"
+
+    def step(self, action):
+        case = TESTS[int(action)]
+        stdin, stdout = sys.stdin, sys.stdout
+        sys.stdin = io.TextIOWrapper(io.BytesIO(case[0].encode()), encoding="utf-8")
+        sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        outcome = "ok"
+        try:
+            exec(compile(SOLUTION, "<solution>", "exec"), {{"__name__": "__main__"}})
+        except SystemExit:
+            pass
+        except BaseException as exc:
+            outcome = type(exc).__name__
+        finally:
+            sys.stdin, sys.stdout = stdin, stdout
+        out.flush()
+        printed = out.buffer.getvalue().decode("utf-8", "replace")
+        passed = outcome == "ok" and printed.split() == case[1].split()
+        last = int(action) == len(TESTS) - 1
+        return ("passed" if passed else f"failed: {{outcome}}"), float(passed), not passed or last, False, {{}}
+'''
+
+
+def extract_code(reply: str) -> Optional[str]:
+    """The last fenced code block (```python, ```py or bare ```) of a reply; None when it has none."""
+    blocks = _FENCE.findall(reply)
+    return blocks[-1] if blocks else None
+
+
+def parse_tests(value: Any, setting: str, location: str) -> list[tuple[str, str]]:
+    """An item's test cases as (input, expected output) pairs, from a list (or a JSON text of a list) of objects
+    with ``input`` and ``output`` (LiveCodeBench's ``public_test_cases`` shape)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(setting, f"{location}: the test cases are not JSON ({exc.msg})") from None
+    if not isinstance(value, list) or not value:
+        raise ConfigError(setting, f"{location}: the code scorer needs a non-empty list of test cases "
+                                   f"({{\"input\": ..., \"output\": ...}}), got {value!r}"[:400])
+    tests = []
+    for case in value:
+        if not isinstance(case, dict) or not isinstance(case.get("input"), str) \
+                or not isinstance(case.get("output"), str):
+            raise ConfigError(setting, f"{location}: each test case needs text 'input' and 'output', got "
+                                       f"{case!r}"[:400])
+        if case.get("testtype", "stdin") != "stdin":
+            raise ConfigError(setting, f"{location}: test type {case['testtype']!r} is not supported (stdin/stdout "
+                                       "tests only: convert functional tests first)")
+        tests.append((case["input"], case["output"]))
+    return tests
+
+
+def tests_program(solution: str, tests: Sequence[tuple[str, str]]) -> EnvProgram:
+    """The environment program that runs ``solution`` on ``tests`` inside a sandbox worker."""
+    source = _RUNNER.format(solution=solution, tests=[list(t) for t in tests], count=len(tests))
+    return EnvProgram(source, "", "code_tracing", {"origin": "evaluation"})
+
+
+def run_tests(pool: SandboxPool, solutions: Sequence[Optional[str]], tests: Sequence[Sequence[tuple[str, str]]],
+              width: int) -> list[bool]:
+    """Whether each solution passes every test of its item; None (nothing extracted) fails. Up to ``width`` run at
+    once, each in its own worker, all stepping through their tests together."""
+    passed = [False] * len(solutions)
+    todo = [i for i, code in enumerate(solutions) if code is not None]
+    for start in range(0, len(todo), width):
+        handles = {}
+        try:
+            for i in todo[start:start + width]:
+                try:
+                    handles[i] = pool.open(tests_program(solutions[i], tests[i]))  # type: ignore[arg-type]
+                except SandboxError:
+                    continue  # the wrapper holds only literals: a load failure is the worker's, and fails the item
+            live = [i for i, reset in zip(handles, pool.reset_many([(h, 0) for h in handles.values()]))
+                    if not isinstance(reset, SandboxError)]
+            done = dict.fromkeys(live, 0)
+            while live:
+                steps = pool.step_many([(handles[i], str(done[i])) for i in live])
+                going = []
+                for i, step in zip(live, steps):
+                    if isinstance(step, SandboxError) or step.reward < 1.0:
+                        continue
+                    done[i] += 1
+                    if done[i] == len(tests[i]):
+                        passed[i] = True
+                    else:
+                        going.append(i)
+                live = going
+        finally:
+            for handle in handles.values():
+                handle.close()
+    return passed
