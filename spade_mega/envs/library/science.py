@@ -235,12 +235,13 @@ ENTRIES = [
     LibraryEntry(
         name="thermostat",
         skill="science",
-        summary="system identification and control: measure a heater's unknown rates, then hold a set point",
+        summary="system identification and control: measure a heater's unknown rates, then reach and hold a set point",
         hint="The change per turn is linear: dT = leak*(outside - T) + gain*power. Spend two turns measuring "
              "(e.g. power 10, then power 0), solve the two equations for leak and gain, then each turn set "
              "power = (target - T - leak*(outside - T)) / gain, clipped to 0..10.",
         oracle=thermostat_oracle,
-        target_return=0.6,
+        target_return=0.9,  # the oracle wins when HOLD turns in a row end on target; noise at the hardest level can
+        # knock it off target (59 of 60 seeds won there)
         action_examples=("{int}", "{int}.5", "10", "0"),
     ),
 ]
