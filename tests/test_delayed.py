@@ -140,6 +140,46 @@ def test_malformed_state_raises_state_error_and_leaves_the_buffer_alone() -> Non
 
 
 
+def test_a_resume_with_another_delay_pays_waiting_samples_on_their_own_window(caplog) -> None:
+    """designer_delay changed from 2 to 4 at a resume: the sample waiting since step 1 is paid at step 3 on the plays
+    of steps 1-2, exactly as the uninterrupted run pays it (it was released at step 5, with step 3-4 plays folded in,
+    because the state did not record its delay); a sample generated after the resume waits 4 steps."""
+    def play(buf: DelayedDesignerBuffer, step: int) -> list:
+        if "env-a" in buf:
+            buf.record_plays("env-a", step, [float(step % 2), 1.0, 0.0])
+            buf.record_plays("env-a", step, [1.0, 1.0, 1.0], hinted=True)
+        return buf.release(step)
+
+    straight = DelayedDesignerBuffer(CFG, delay=2)
+    straight.add(sample("d1", "env-a", 1))
+    paid = {step: play(straight, step) for step in range(1, 4)}
+    assert [out.sample.sample_id for out in paid[3]] == ["d1"]
+
+    before = DelayedDesignerBuffer(CFG, delay=2)
+    before.add(sample("d1", "env-a", 1))
+    play(before, 1)
+    resumed = DelayedDesignerBuffer(CFG, delay=4)
+    with caplog.at_level("WARNING", logger="spade_mega.rl"):
+        resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    assert "1 designer sample(s) saved under designer_delay 2 keep it" in caplog.text
+    assert play(resumed, 2) == []
+    (out,) = play(resumed, 3)
+    assert out.sample.sample_id == "d1" and out.reward == paid[3][0].reward
+    resumed.add(sample("d3", "env-b", 3))
+    assert all(resumed.release(step) == [] for step in range(3, 7)) and len(resumed.release(7)) == 1
+    assert resumed.state_dict()["delay"] == 4
+
+
+def test_a_version_1_state_waits_under_the_buffers_delay() -> None:
+    """States saved before delays were recorded resume as they did: every waiting sample under this run's delay."""
+    buf = DelayedDesignerBuffer(CFG, delay=2)
+    buf.add(sample("d0", "env-a", 0))
+    old = {k: v for k, v in buf.state_dict().items() if k not in ("delay", "delays")}
+    restored = DelayedDesignerBuffer(CFG, delay=3)
+    restored.load_state_dict({**old, "version": 1})
+    assert restored.release(2) == [] and len(restored.release(3)) == 1
+
+
 def test_what_add_accepts_a_checkpoint_restores_exactly_and_the_rest_is_refused_by_name() -> None:
     # numpy values (tokens.numpy() straight from a tensor) are stored as plain numbers, so the state saves
     buf = DelayedDesignerBuffer(CFG, delay=2)

@@ -8,6 +8,11 @@ The buffer holds everything as plain data (ids, ints, floats, strings), and ``st
 msgpack-ready, never pickle: a resumed run releases exactly what the uninterrupted run would have. (The reference
 implementation keeps these samples in process globals and loses them on resume.)
 
+Each sample keeps the delay it was added under: a run resumed with another ``designer_delay`` pays the samples
+already waiting on the window they were generated for (the plays they have collected are the ones it asked for, so
+they get the reward the uninterrupted run would have given them), and the new delay applies from the next designer
+samples on. The saved state records every waiting sample's delay.
+
 Per step, in this order: ``add`` the new designer samples (regeneration steps), ``record_plays`` for every pending
 environment that was played (agent no-hint plays; hint plays at the regeneration step), ``mark_failed`` for an
 environment whose ``step()`` timed out, then ``release(step)``. ``release`` removes what it returns, so save
@@ -18,6 +23,7 @@ but before the step that trains those samples has finished would resume without 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import operator
@@ -35,8 +41,9 @@ from spade_mega.curriculum.rewards import (
 )
 
 STATE_FORMAT = "spade-mega.delayed-designer-buffer"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: each waiting sample's delay (version 1 states are read with the buffer's delay)
 ROLES = ("agent", "hint")
+log = logging.getLogger("spade_mega.rl")
 
 
 @dataclass
@@ -148,6 +155,7 @@ class DelayedDesignerBuffer:
         self.cfg = cfg
         self.delay = delay
         self._pending: list[DesignerSample] = []
+        self._delays: dict[str, int] = {}  # sample_id -> the delay it was added under
         self._plays: dict[str, dict[str, dict[int, list[float]]]] = {}  # env -> role -> absolute step -> returns
 
     def __len__(self) -> int:
@@ -163,6 +171,7 @@ class DelayedDesignerBuffer:
         if any(p.sample_id == sample.sample_id for p in self._pending):
             raise ValueError(f"designer sample {sample.sample_id!r} is already waiting in the buffer")
         self._pending.append(sample)
+        self._delays[sample.sample_id] = self.delay
         self._plays.setdefault(sample.env_id, {role: {} for role in ROLES})
 
     def record_plays(self, env_id: str, step: int, returns: Sequence[float], *, hinted: bool = False) -> None:
@@ -190,16 +199,17 @@ class DelayedDesignerBuffer:
 
         ``trackers`` (the per-skill learning-potential EMAs) are read by the ``learning_potential`` variant only.
         """
-        due = [s for s in self._pending if s.step + self.delay <= step]
+        due = [s for s in self._pending if s.step + self._delays[s.sample_id] <= step]
         released = [ReleasedDesignerSample(s, self._reward(s, trackers)) for s in due]
-        self._pending = [s for s in self._pending if s.step + self.delay > step]
+        self._pending = [s for s in self._pending if s.step + self._delays[s.sample_id] > step]
+        self._delays = {s.sample_id: self._delays[s.sample_id] for s in self._pending}
         waiting = {s.env_id for s in self._pending}
         self._plays = {env: plays for env, plays in self._plays.items() if env in waiting}
         return released
 
     def _reward(self, sample: DesignerSample, trackers: Optional[SkillTrackers]) -> DesignerReward:
         plays = self._plays[sample.env_id]
-        window = range(sample.step, sample.step + max(self.delay, 1))
+        window = range(sample.step, sample.step + max(self._delays[sample.sample_id], 1))
         agent = {t - sample.step: plays["agent"][t] for t in window if plays["agent"].get(t)}
         baseline = None
         if self.cfg.variant == "learning_potential" and sample.failure is None:
@@ -214,18 +224,22 @@ class DelayedDesignerBuffer:
         plays = [[env, role, step, list(returns)]
                  for env, by_role in self._plays.items() for role in ROLES
                  for step, returns in by_role[role].items()]
-        return {"format": STATE_FORMAT, "version": STATE_VERSION,
-                "pending": [s.to_dict() for s in self._pending], "plays": plays}
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "delay": self.delay,
+                "pending": [s.to_dict() for s in self._pending], "plays": plays,
+                "delays": [self._delays[s.sample_id] for s in self._pending]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a saved buffer; a malformed state raises :class:`StateError` and leaves this buffer unchanged."""
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a delayed designer buffer state (expected format {STATE_FORMAT!r})")
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise StateError(f"delayed designer buffer state version {state.get('version')!r} is not supported "
-                             f"(this spade-mega reads version {STATE_VERSION})")
+                             f"(this spade-mega reads versions 1 and {STATE_VERSION})")
         try:
             pending = [DesignerSample.from_dict(d) for d in state["pending"]]
+            delays = list(state["delays"]) if state["version"] == STATE_VERSION else [self.delay] * len(pending)
+            if len(delays) != len(pending) or not all(type(d) is int and d >= 0 for d in delays):
+                raise ValueError(f"delays must be one int >= 0 per waiting sample, got {delays!r}")
             plays: dict[str, dict[str, dict[int, list[float]]]] = {s.env_id: {r: {} for r in ROLES} for s in pending}
             for env, role, step, returns in state["plays"]:
                 if env not in plays or role not in ROLES:
@@ -239,3 +253,9 @@ class DelayedDesignerBuffer:
         if len({s.sample_id for s in pending}) != len(pending):
             raise StateError("delayed designer buffer state holds the same sample_id twice")
         self._pending, self._plays = pending, plays
+        self._delays = {s.sample_id: d for s, d in zip(pending, delays)}
+        other = sorted({d for d in delays if d != self.delay})
+        if other:
+            log.warning("delayed designer buffer: %d designer sample(s) saved under designer_delay %s keep it (their "
+                        "window of plays); this run's designer_delay %d applies to the samples it generates",
+                        sum(d != self.delay for d in delays), "/".join(map(str, other)), self.delay)

@@ -57,7 +57,14 @@ from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging, transc
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
 from spade_mega.selfplay.lock import RunDirLock
-from spade_mega.selfplay.state import ActiveEnv, CheckpointStore, LoopState, ResumeError, derive_seed
+from spade_mega.selfplay.state import (
+    ActiveEnv,
+    CheckpointStore,
+    LoopState,
+    ResumeError,
+    derive_seed,
+    regeneration_change,
+)
 from spade_mega.selfplay.transcripts import RolloutTranscript
 
 log = logging.getLogger("spade_mega.selfplay")
@@ -165,7 +172,8 @@ class _Actor:
     def state(self, rollout: int) -> LoopState:
         return LoopState(rollout=rollout, active_skills=list(self.active_skills),
                          environments=list(self.environments), buffer=self.buffer.state_dict(),
-                         scheduler=self.scheduler.state_dict(), trackers=self.trackers.state_dict())
+                         scheduler=self.scheduler.state_dict(), trackers=self.trackers.state_dict(),
+                         regen_interval=self.cfg.selfplay.regen_interval)
 
     def restore(self, state: LoopState) -> None:
         """The loop state of a checkpoint; the memory forgets what the rollouts after it wrote."""
@@ -173,6 +181,9 @@ class _Actor:
         self.scheduler.load_state_dict(state.scheduler)
         self.trackers.load_state_dict(state.trackers)
         self.environments, self.active_skills = list(state.environments), list(state.active_skills)
+        change = regeneration_change(state, self.cfg.selfplay.regen_interval)
+        if change is not None:
+            log.warning("resume: %s", change)
         discarded = self.memory.discard_after(state.rollout)
         if any(discarded.values()):
             log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (replayed "

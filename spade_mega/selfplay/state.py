@@ -90,9 +90,11 @@ class LoopState:
     buffer: dict[str, Any] = field(default_factory=dict)  # DelayedDesignerBuffer.state_dict()
     scheduler: dict[str, Any] = field(default_factory=dict)  # SkillScheduler.state_dict()
     trackers: dict[str, Any] = field(default_factory=dict)  # SkillTrackers.state_dict()
+    regen_interval: Optional[int] = None  # selfplay.regen_interval of the run that saved it (None: not recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "rollout": self.rollout,
+                "regen_interval": self.regen_interval,
                 "policy_version": self.policy_version, "active_skills": list(self.active_skills),
                 "environments": [e.to_dict() for e in self.environments], "buffer": self.buffer,
                 "scheduler": self.scheduler, "trackers": self.trackers}
@@ -110,10 +112,31 @@ class LoopState:
                         active_skills=[str(s) for s in data["active_skills"]],
                         environments=[ActiveEnv.from_dict(e) for e in data["environments"]],
                         buffer=dict(data["buffer"]), scheduler=dict(data["scheduler"]),
-                        trackers=dict(data["trackers"]))
+                        trackers=dict(data["trackers"]), regen_interval=_interval(data.get("regen_interval")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ResumeError(f"{where}: loop state is damaged ({type(exc).__name__}: {exc})") from None
         return state
+
+
+def _interval(value: Any) -> Optional[int]:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"regen_interval must be an int >= 1 or null, got {value!r}")
+    return value
+
+
+def regeneration_change(state: LoopState, regen_interval: int) -> Optional[str]:
+    """What a resume with another ``selfplay.regen_interval`` does, or None when it is unchanged (or unrecorded).
+
+    Regeneration stays on the run's schedule, rollouts r with ``(r - 1) % regen_interval == 0``, counted from the
+    run's start: the environment set in play (and the designer samples waiting on it, which keep their own delay)
+    continues until the next such rollout of the new interval, then the designer writes a new set. Nothing saved
+    depends on the old interval, so the change is applied, and said, rather than refused."""
+    if state.regen_interval is None or state.regen_interval == regen_interval:
+        return None
+    following = state.rollout + 1 + (-state.rollout) % regen_interval
+    return (f"selfplay.regen_interval {state.regen_interval} -> {regen_interval}: the environment set of rollout "
+            f"{state.rollout} plays on until the next regeneration at rollout {following}, then every "
+            f"{regen_interval} rollouts")
 
 
 def _count(value: Any, name: str) -> int:
