@@ -669,7 +669,7 @@ def test_a_run_with_rollouts_left_is_not_finished(tmp_path: Path) -> None:
 
     assert finished() == node.UNFINISHED
     _saved_run(tmp_path / "runs" / "tiny_cpu", rollout=4)
-    assert node.finished_run(str(config)) is None and finished() == node.UNFINISHED
+    assert node.finished_run(str(config)) is None
     _saved_run(tmp_path / "runs" / "tiny_cpu", rollout=8)
     assert "8 of 8 rollouts" in node.finished_run(str(config)) and finished() == 0
 
@@ -714,12 +714,7 @@ def test_job_script_stops_a_trainer_that_outlives_the_warning_and_still_requeues
     assert "STOP_GRACE_S=270\n" in text  # signal_before_s - 30: after torchrun's own grace (- 60), before the limit
     script.write_text(text.replace("STOP_GRACE_S=270\n", "STOP_GRACE_S=2\n"))
     marker = f"deaf trainer of {tmp_path}"  # the training step: a rank deep in a rollout, deaf to the warning
-    (tmp_path / "bin" / "srun").write_text(STAND_IN_SRUN.replace(
-        'if [[ -n "$out" ]]; then',
-        f'if [[ "$*" == *"spade_mega.launch.node exec"* ]]; then\n  trap "" USR1\n'
-        f'  set -- {sys.executable} -c "import time; time.sleep(600)  # {marker}"\nfi\n'
-        'if [[ -n "$out" ]]; then',
-        1))
+    _training_step_is(tmp_path, f"import time; time.sleep(600)  # {marker}", deaf_to_usr1=True)
     log = tmp_path / "job.out"
     with log.open("w") as out:
         job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), stdout=out,
@@ -739,6 +734,59 @@ def test_job_script_stops_a_trainer_that_outlives_the_warning_and_still_requeues
     assert "still running 2 s after the time-limit warning; stopping it" in text, text[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 123\n" and status != 0
     assert not _running(marker)
+
+
+def _training_step_is(tmp_path: Path, code: str, deaf_to_usr1: bool = False) -> None:
+    """The stand-in srun runs ``python -c code`` as the training step (the other steps as they are)."""
+    (tmp_path / "bin" / "srun").write_text(STAND_IN_SRUN.replace(
+        'if [[ -n "$out" ]]; then',
+        f'if [[ "$*" == *"spade_mega.launch.node exec"* ]]; then\n' + ('  trap "" USR1\n' if deaf_to_usr1 else "")
+        + f'  set -- {sys.executable} -c {shlex.quote(code)}\nfi\n' + 'if [[ -n "$out" ]]; then', 1))
+
+
+def test_a_requeue_that_fails_is_said_and_fails_the_job(tmp_path: Path) -> None:
+    """scontrol requeue can fail (requeue disabled on the partition, job arrays, a controller outage): the job then
+    ended COMPLETED, exit 0, its run stopped half way, with the log still saying it resumes."""
+    script = _stand_in_job(tmp_path, [])
+    (tmp_path / "bin" / "scontrol").write_text(
+        '#!/bin/bash\necho "scontrol: error: Requested operation is presently disabled" >&2\nexit 1\n')
+    _training_step_is(tmp_path, f"import pathlib, signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: "
+                                f"sys.exit(0)); pathlib.Path({str(tmp_path / 'ready')!r}).touch(); time.sleep(60)")
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=_stand_in_env(tmp_path), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        job.send_signal(signal.SIGUSR1)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 1, output[-3000:]
+    assert "scontrol requeue failed (see above): the run stopped at its newest checkpoint; submit this script " \
+           "again to resume it" in output
+
+
+def test_steps_get_the_jobs_environment_under_sbatch_export_none(tmp_path: Path) -> None:
+    """sbatch --export=NONE sets SLURM_EXPORT_ENV=NONE in the job and srun honours it: without the script's own
+    SLURM_EXPORT_ENV=ALL, every step started without launch.env and what launch.setup set up (the venv)."""
+    script = _stand_in_job(tmp_path, ["launch.env={SPADE_MARK: from-the-job}", "launch.sbatch_extra=[--export=NONE]"])
+    seen = tmp_path / "seen"
+    _training_step_is(tmp_path, f"import os, pathlib; pathlib.Path({str(seen)!r}).write_text("
+                                "os.environ.get('SPADE_MARK', 'missing'))")
+    srun = (tmp_path / "bin" / "srun").read_text()
+    (tmp_path / "bin" / "srun").write_text(srun.replace(  # srun's --export as SLURM_EXPORT_ENV sets it
+        'if [[ -n "$out" ]]; then',
+        'if [[ "${SLURM_EXPORT_ENV:-ALL}" == NONE ]]; then\n'
+        '  mapfile -t keep < <(env | grep "^SLURM_"); set -- env -i "${keep[@]}" "$@"\nfi\n'
+        'if [[ -n "$out" ]]; then', 1))
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**_stand_in_env(tmp_path), "SLURM_EXPORT_ENV": "NONE"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert seen.read_text() == "from-the-job"
 
 
 def _running(marker: str) -> bool:
@@ -855,3 +903,46 @@ def test_server_commands_count_ports_up_and_split_gpus() -> None:
         node.server_commands(["server", "--host", "0.0.0.0"], 1, 8, {})
     with pytest.raises(node.SlurmEnvError, match="need 16 GPUs, this node shows 8"):
         node.server_commands(["s", "--port", "1"], 2, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+
+
+SIGNALLED_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+out, rank = Path(os.environ["SPADE_TEST_OUT"]), os.environ["RANK"]
+def stop(signum, frame):
+    time.sleep(1.0)  # a rank saving before it exits
+    (out / f"stopped{rank}").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+(out / f"ready{rank}").touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.multiproc
+def test_launch_local_hands_sigterm_to_the_ranks_and_waits_for_them(tmp_path: Path) -> None:
+    """`kill` of `spade-mega launch local` (a scheduler, a terminal closing) must reach the ranks through torchrun
+    and wait for them to stop: the launcher died alone, torchrun and its ranks trained on."""
+    rank_script = tmp_path / "signalled_rank.py"
+    rank_script.write_text(SIGNALLED_RANK)
+    launcher = subprocess.Popen([sys.executable, "-m", "spade_mega.cli", "launch", "local", str(ROOT / TINY),
+                                 "parallel.tensor=2", "model.num_experts=0", "--script", str(rank_script)],
+                                cwd=tmp_path, env=job_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        assert [(tmp_path / f"stopped{r}").read_text() for r in range(2)] == ["SIGTERM", "SIGTERM"]
+        assert not _running(str(rank_script))  # nothing of the run outlives the launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for entry in Path("/proc").iterdir():  # a rank left behind by a failure above
+            try:
+                if entry.name.isdigit() and str(rank_script) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue

@@ -6,6 +6,7 @@ it), so ``parallel.tensor=2`` on a laptop starts two ranks without further flags
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -34,6 +35,27 @@ def local_command(cfg: SpadeConfig, config_path: str, overrides: Sequence[str], 
             *program, config_path, *overrides]
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def run_local(command: Sequence[str]) -> int:
-    """Run torchrun in the foreground; its exit status is the command's."""
-    return subprocess.call(list(command))
+    """Run torchrun until it exits; its exit status is the command's (128 + N when a signal N ended it, as a shell
+    reports it).
+
+    torchrun runs in a session of its own and gets each SIGINT, SIGTERM or SIGHUP sent to this process exactly once:
+    it hands them to every rank and gives them its shutdown grace, and this process waits for all of it. A ``kill``
+    of the launcher left torchrun and the ranks training on without it, and Ctrl-C (subprocess.call) killed torchrun
+    with SIGKILL a quarter of a second later, leaving the ranks it had not yet stopped behind."""
+    proc = subprocess.Popen(list(command), start_new_session=True)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        status = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - status if status < 0 else status

@@ -206,7 +206,11 @@ done
 if [[ "$ENGINE_FAILED" == 1 && "$STATUS" == 0 ]]; then STATUS=1; fi
 if [[ "$REQUEUE" == 1 ]]; then
   echo "spade-mega: requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint" >&2
-  scontrol requeue "$SLURM_JOB_ID"
+  if ! scontrol requeue "$SLURM_JOB_ID"; then
+    echo "spade-mega: scontrol requeue failed (see above): the run stopped at its newest checkpoint; submit this" \\
+      "script again to resume it" >&2
+    if [[ "$STATUS" == 0 ]]; then STATUS=1; fi
+  fi
 fi
 exit "$STATUS"
 """
@@ -241,6 +245,9 @@ def render_sbatch(cfg: SpadeConfig, source: str) -> str:
     lines += _setup(launch.setup)
     lines += [f"export {key}={_q(value)}" for key, value in launch.env.items()]
     lines += [
+        # sbatch --export=NONE (some centres' advice, or sbatch_extra) sets SLURM_EXPORT_ENV=NONE in the job, and srun
+        # honours it: every step would start without the environment built above (setup, launch.env, the venv)
+        "export SLURM_EXPORT_ENV=ALL",
         "export PYTHONUNBUFFERED=1",
         "",
         f"LOG_DIR={_q(launch.log_dir)}",
