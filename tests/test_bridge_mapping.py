@@ -168,9 +168,14 @@ def test_unreadable_folders_are_named(tmp_path: Path) -> None:
 
 def test_an_indexed_folder_is_read_by_its_index_alone(saved: dict[str, Path], tmp_path: Path) -> None:
     """A sharded checkpoint (transformers' own index) with a stray shard beside it, a leftover of an earlier save
-    holding other values of the same tensors: the index's shards alone are read (the stray one used to make every
-    tensor 'in both' files, or, without the index, be loaded). A listed shard that is missing is named."""
+    holding other values of the same tensors and one more: every reader takes the index's shards alone, load_hf's
+    HFCheckpoint as the engines' (inference.hf_weights into the hf engine, a server engine's weight table), which
+    read every *.safetensors file (the stale values reached the engine). A listed shard that is missing is named."""
     from transformers import AutoModelForCausalLM
+
+    from spade_mega.inference.base import EngineError
+    from spade_mega.inference.hf import load_checkpoint_buckets
+    from spade_mega.inference.server import checkpoint_weights
 
     folder = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(saved["moe"]).save_pretrained(folder, max_shard_size="200KB")
@@ -179,15 +184,22 @@ def test_an_indexed_folder_is_read_by_its_index_alone(saved: dict[str, Path], tm
     assert len(shards) > 1
     stale = {name: torch.full_like(tensor, 7.0) for name, tensor in load_file(folder / shards[0]).items()}
     leftover = f"model-00001-of-{len(shards) + 1:05d}.safetensors"  # an earlier save's shard count
-    save_file(stale, str(folder / leftover))
+    save_file({**stale, "model.stale_extra": torch.zeros(2)}, str(folder / leftover))
     checkpoint = HFCheckpoint(folder)
     assert set(checkpoint.files) == set(index) and set(checkpoint.files.values()) == set(shards)
     check_checkpoint(checkpoint, weight_table(MODELS["moe"], False), hf_config_dict(MODELS["moe"]))
     original = load_file(saved["moe"] / "model.safetensors")
     assert all(torch.equal(checkpoint.tensor(name), original[name]) for name in stale)
+    engine: dict[str, torch.Tensor] = {}
+    for bucket in load_checkpoint_buckets(str(folder)):
+        engine.update(bucket)
+    assert engine.keys() == original.keys() and all(torch.equal(engine[n], t) for n, t in original.items())
+    assert checkpoint_weights(folder).keys() == original.keys()
     (folder / shards[-1]).unlink()
     with pytest.raises(BridgeError, match=f"lists the shard {shards[-1]} .*which is not in the folder"):
         HFCheckpoint(folder)
+    with pytest.raises(EngineError, match=f"inference.hf_weights: .*lists the shard {shards[-1]}"):
+        next(load_checkpoint_buckets(str(folder)))
 
 
 def test_qwen3_30b_a3b_table_has_every_tensor_of_its_checkpoint() -> None:

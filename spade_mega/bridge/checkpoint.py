@@ -23,11 +23,11 @@ import torch.distributed as dist
 from spade_mega.bridge.export import SOURCE, agree, export_hf, local_shards, rules_of
 from spade_mega.bridge.mapping import BridgeError, Rule
 from spade_mega.errors import SpadeError
+from spade_mega.hf_weights import INDEX, WeightFolderError, weight_files
 
 if TYPE_CHECKING:
     from spade_mega.megatron.train import Trainer
 
-INDEX = "model.safetensors.index.json"
 # config.json keys that must agree between a checkpoint and the model it is loaded into (shapes catch the rest)
 ARCHITECTURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -116,30 +116,13 @@ class HFCheckpoint:
         self.folder = Path(folder).expanduser()
         if not self.folder.is_dir():
             raise BridgeError(f"{self.folder}: no such Hugging Face checkpoint folder")
-        index = self.folder / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BridgeError(f"{index}: not a safetensors index ({exc})") from None
-            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise BridgeError(f"{index}: weight_map must map tensor names to file names")
-            files = sorted(set(weight_map.values()))
-            # only the listed shards are read: a stray file (a leftover of an earlier save) is not part of it
-            absent = [f for f in files if not (self.folder / f).is_file()]
-            if absent:
-                count = sum(f == absent[0] for f in weight_map.values())
-                raise BridgeError(f"{index} lists the shard {absent[0]} ({count} tensors), which is not in the "
-                                  f"folder ({len(absent)} of {len(files)} shards missing): an incomplete copy or "
-                                  "download")
-        else:
-            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-            weight_map = None
-        if not files:
-            raise BridgeError(f"{self.folder}: no *.safetensors files (only safetensors checkpoints are read)")
+        try:
+            listing = weight_files(self.folder)
+        except WeightFolderError as exc:
+            raise BridgeError(str(exc)) from None
         self._handles: dict[str, Any] = {}
         self.files: dict[str, str] = {}
-        for file in files:
+        for file, listed in listing.items():
             path = self.folder / file
             try:
                 handle = safe_open(str(path), framework="pt")
@@ -147,16 +130,16 @@ class HFCheckpoint:
                 raise BridgeError(f"{path}: cannot be read as safetensors ({exc})") from None
             self._handles[file] = handle
             for name in handle.keys():
-                if weight_map is not None and weight_map.get(name) != file:
+                if listed is not None and name not in listed:
                     continue
                 if name in self.files:
                     raise BridgeError(f"{self.folder}: tensor {name} is in both {self.files[name]} and {file}")
                 self.files[name] = file
-        if weight_map is not None:
-            lost = sorted(n for n, f in weight_map.items() if self.files.get(n) != f)
-            if lost:
-                raise BridgeError(f"{index} lists {lost[0]} in {weight_map[lost[0]]}, which does not hold it "
-                                  f"({len(lost)} such tensor(s))")
+        lost = sorted((name, file) for file, listed in listing.items() for name in listed or ()
+                      if self.files.get(name) != file)
+        if lost:
+            raise BridgeError(f"{self.folder / INDEX} lists {lost[0][0]} in {lost[0][1]}, which does not hold it "
+                              f"({len(lost)} such tensor(s))")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.files[name]].get_slice(name).get_shape())

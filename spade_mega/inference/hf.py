@@ -405,18 +405,26 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 
 def load_checkpoint_buckets(path: str) -> Iterator[dict[str, torch.Tensor]]:
-    """The tensors of a local Hugging Face folder, one bucket per ``*.safetensors`` file."""
+    """The tensors of a local Hugging Face folder, one bucket per safetensors shard (those its index lists)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"inference.hf_weights: no *.safetensors file in {path!r} (give a local Hugging Face "
-                          "model folder)")
-    for file in files:
+    from spade_mega.hf_weights import WeightFolderError, weight_files
+
+    try:
+        listing = weight_files(path)
+    except WeightFolderError as exc:
+        raise EngineError(f"inference.hf_weights: {exc} (give a local Hugging Face model folder)") from None
+    for name, listed in listing.items():
+        file = Path(path) / name
         try:
             bucket = load_file(str(file))
         except Exception as exc:  # safetensors' errors name neither the file nor the setting
             raise EngineError(f"inference.hf_weights: cannot read {file}: {exc}") from exc
+        if listed is not None:
+            if not listed <= bucket.keys():
+                raise EngineError(f"inference.hf_weights: the index lists {sorted(listed - bucket.keys())[0]} in "
+                                  f"{file}, which does not hold it")
+            bucket = {k: v for k, v in bucket.items() if k in listed}
         yield bucket
 
 

@@ -248,14 +248,18 @@ def checkpoint_weights(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torc
     only, nothing is loaded)."""
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"{model_dir} holds no *.safetensors weights: a server engine serves a Hugging Face "
-                          "folder saved with safetensors")
+    from spade_mega.hf_weights import WeightFolderError, weight_files
+
+    try:
+        listing = weight_files(model_dir)  # the index's shards only, as the servers load them
+    except WeightFolderError as exc:
+        raise EngineError(f"{exc}: a server engine serves a Hugging Face folder saved with safetensors") from None
     weights: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
+    for file, listed in listing.items():
+        with safe_open(str(model_dir / file), framework="pt") as handle:
             for name in handle.keys():
+                if listed is not None and name not in listed:
+                    continue
                 sliced = handle.get_slice(name)
                 weights[name] = (tuple(sliced.get_shape()), _SAFETENSORS_DTYPES[sliced.get_dtype()])
     return weights
