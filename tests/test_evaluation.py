@@ -53,6 +53,12 @@ BOXED = [  # (model reply, reference, right?)
     ("\\boxed{7/11}", "7/12", False),
     ("I think it is 277.", "277", False),  # no box, no Answer: line
     ("\\boxed{27", "27", False),  # never closed
+    ("The roots are $\\boxed{1, 234}$", "1234", False),  # a list of two numbers, not one thousand-separated
+    ("\\boxed{2, 500}", "2500", False),
+    ("\\boxed{10,\\!000}", "10000", True),  # MATH's thousands separator
+    ("\\boxed{1{,}000}", "1000", True),
+    ("\\boxed 5", "5", True),  # the token after a brace-less box
+    ("I will write \\boxed at the end. The set is {12}.", "12", False),  # a box without braces does not reach on
 ]
 
 
@@ -69,6 +75,13 @@ CHOICE = [
     ("(B)", "B", True),
     ("Answer: B", "C", False),
     ("I cannot decide.", "A", False),
+    ("**Answer: (B)**", "B", True),
+    ("The answer is: **C**", "C", True),
+    ("The correct option is D.", "D", True),
+    ("Answer: A\n\nWhy not the others: option B is wrong, and choice C: too large.", "B", False),  # the answer wins
+    ("Answer: A\n\nWhy not the others: option B is wrong, and choice C: too large.", "C", False),
+    ("Option A is right, option B is wrong.", "B", False),  # a mention of an option is no answer
+    ("The answer I reached after checking is B.", "I", False),  # the pronoun, not option I
 ]
 
 

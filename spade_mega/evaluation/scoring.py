@@ -6,9 +6,11 @@ completion and *compares* it with the reference answer.
 - ``boxed`` (maths, AIME-style): the content of the last ``\\boxed{...}`` (braces nested to any depth), else the last
   ``Answer: ...`` line; both sides normalised (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a
   trailing full stop) and compared as exact rational numbers when both read as one (``1,000`` = ``1000``,
-  ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``), else as normalised text.
+  ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list entries, so
+  ``1, 234`` is no number), else as normalised text.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
-  is``, or a reply that is just the letter (``(C)``); compared with the reference letter.
+  is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer), or a reply
+  that is just the letter (``(C)``); compared with the reference letter.
 - ``exact``: the boxed or ``Answer:`` answer (else the whole reply), normalised, compared as text.
 
 A completion without an extractable answer scores 0, like a wrong one. The fourth scorer, ``code``, runs programs
@@ -25,11 +27,20 @@ from typing import Callable, Optional
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
-# the letter is upper case even where the words are not: "the answer is a number" names no option
-_CHOICE_PHRASE = re.compile(r"(?:answer|option|choice)\s*(?:is|:|：)?\s*(?:option\s*)?\(?((?-i:[A-J]))\)?"
-                            r"(?![A-Za-z])", re.IGNORECASE)
+
+
+def _choice_phrase(keywords: str) -> re.Pattern[str]:
+    """``<keyword> is|: [option] [**(]X[)**]``. The separator is required ("the answer I found" names no option I);
+    the letter is upper case even where the words are not: "the answer is a number" names no option."""
+    return re.compile(rf"(?:{keywords})\s*(?:is\s*:?|:|：)\s*(?:option\s*)?[*(\s]*((?-i:[A-J]))[)*]*(?![A-Za-z])",
+                      re.IGNORECASE)
+
+
+# an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
+_CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 _WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+_LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
@@ -40,10 +51,11 @@ def last_boxed(text: str) -> Optional[str]:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    open_at = text.find("{", start)
-    if open_at < 0:
-        rest = text[start + len("\\boxed"):].strip()  # "\boxed 5": the token after it
-        return rest.split()[0].rstrip(".$") if rest else None
+    after = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
+    rest = text[after:].lstrip()
+    if not rest.startswith("{"):  # "\boxed 5": the token right after it; never a brace further on
+        return (rest.split()[0].rstrip(".$") if rest else "") or None
+    open_at = len(text) - len(rest)
     depth = 0
     for i in range(open_at, len(text)):
         if text[i] == "{":
@@ -79,6 +91,7 @@ def normalise(answer: str) -> str:
     """Text of an answer with formatting that does not change its value removed."""
     text = _unwrap(answer.strip())
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = text.replace("{,}", ",")
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
         text = text.replace(spacing, "")
     text = re.sub(r"\s+", "", text)
@@ -112,7 +125,7 @@ def as_number(answer: str) -> Optional[Fraction]:
 
 def _same_maths(predicted: str, reference: str) -> bool:
     a, b = normalise(predicted), normalise(reference)
-    x, y = as_number(a), as_number(b)
+    x, y = (None if _LIST_COMMA.search(raw) else as_number(text) for raw, text in ((predicted, a), (reference, b)))
     if x is not None and y is not None:
         return x == y
     return a == b
@@ -125,9 +138,10 @@ def choice_letter(text: str) -> Optional[str]:
         match = _CHOICE.fullmatch(normalise(boxed).upper())
         if match:
             return match.group(1)
-    phrases = _CHOICE_PHRASE.findall(text)
-    if phrases:
-        return phrases[-1].upper()
+    for phrase in _CHOICE_PHRASES:
+        letters = phrase.findall(text)
+        if letters:
+            return letters[-1]
     match = _CHOICE.fullmatch(normalise(text).upper())
     return match.group(1) if match else None
 
