@@ -262,6 +262,15 @@ def test_an_unknown_environment_is_named_before_anything_is_played() -> None:
     assert info.value.path == "eval.suites[0].environments"
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_generated(tmp_path: Path) -> None:
+    """Found when the evaluator is built (before the run's first rollout), not at the first evaluation, hours in."""
+    path = _write_jsonl(tmp_path / "long.jsonl", [{"question": "Short?", "answer": "1"},
+                                                  {"question": "word " * 3000, "answer": "2"}])
+    cfg = load_config(TINY, [f"eval.suites=[{{name: long, path: '{path}'}}]"])
+    with pytest.raises(EvalError, match=r"suite 'long', item 1: the prompt has \d+ tokens"):
+        Evaluator(cfg, None, load_tokenizer(cfg.model.tokenizer))  # type: ignore[arg-type]
+
+
 # --- code: run in sandbox workers ------------------------------------------------------------------------------
 
 ADD = [("1 2\n", "3\n"), ("10 20\n", "30")]

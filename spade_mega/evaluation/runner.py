@@ -93,6 +93,7 @@ class Evaluator:
         self.chat = ChatTurns(self.builder)
         self.suites = selected(cfg, only)
         self.items: dict[str, list[QAItem]] = {}
+        self.prompts: dict[str, list[list[int]]] = {}  # per QA item: its prompt's ids
         self.programs: dict[str, list[tuple[str, EnvProgram]]] = {}
         for i, suite in self.suites:
             if cfg.rollout.engine == "vllm" and suite.top_p < 1.0 and suite.temperature > 0:
@@ -100,11 +101,23 @@ class Evaluator:
                                                              "vllm (see rollout.top_p); set it to 1.0")
             if suite.kind == "qa":
                 self.items[suite.name] = load_items(suite, f"eval.suites[{i}]")
+                self.prompts[suite.name] = [self._prompt_ids(suite, item) for item in self.items[suite.name]]
             else:
                 self.programs[suite.name] = [(name, self._program(i, name)) for name in suite.environments]
         sandboxed = [s.name for _, s in self.suites if s.kind == "env" or s.scorer == "code"]
         if sandboxed and pool is None:
             raise EvalError(f"suites {', '.join(sandboxed)} run in sandbox workers (environments, code): pass a pool")
+
+    def _prompt_ids(self, suite: EvalSuiteConfig, item: QAItem) -> list[int]:
+        """The item's chat prompt; one that leaves no room for an answer is refused now, before any training."""
+        tokenizer, context = self.builder.tokenizer, self.cfg.rollout.max_context_tokens
+        messages = ([{"role": "system", "content": suite.system_prompt}] if suite.system_prompt else []) + \
+            [{"role": "user", "content": self.builder.untrusted(prompt_text(suite, item))}]
+        ids = encode(tokenizer, render(tokenizer, messages, **self.builder.template_kwargs))
+        if len(ids) >= context:
+            raise EvalError(f"suite {suite.name!r}, item {item.item_id}: the prompt has {len(ids)} tokens, "
+                            f"rollout.max_context_tokens ({context}) leaves no room for an answer")
+        return ids
 
     @staticmethod
     def _program(i: int, name: str) -> EnvProgram:
@@ -132,14 +145,8 @@ class Evaluator:
         context = self.cfg.rollout.max_context_tokens
         items = self.items[suite.name]
         requests = []
-        for item in items:
-            messages = ([{"role": "system", "content": suite.system_prompt}] if suite.system_prompt else []) + \
-                [{"role": "user", "content": self.builder.untrusted(prompt_text(suite, item))}]
-            ids = encode(tokenizer, render(tokenizer, messages, **self.builder.template_kwargs))
+        for item, ids in zip(items, self.prompts[suite.name]):
             budget = min(suite.max_response_tokens, context - len(ids))
-            if budget < 1:
-                raise EvalError(f"suite {suite.name!r}, item {item.item_id}: the prompt has {len(ids)} tokens, "
-                                f"rollout.max_context_tokens ({context}) leaves no room for an answer")
             requests += [GenerationRequest(tuple(ids), SamplingParams(
                 budget, suite.temperature, suite.top_p, seed=eval_seed(seed, suite.name, item.item_id, k),
                 stop_token_ids=self.chat.stop_ids)) for k in range(suite.samples)]
