@@ -465,18 +465,25 @@ class SandboxConfig:
 
 @dataclass
 class SolvabilityConfig:
-    """The LLM solvability check, validation's last step (SPADE's tool-use recipe): the policy plays the program with
-    its hint ``attempts`` times (each attempt a fresh reset seed, all programs' attempts batched in lockstep); it is
-    solvable when at least ``min_wins`` attempts are won (``rewards.win_threshold``). Off by default: it costs
-    ``attempts`` episodes per program. The reference asks the model at temperature 0.3 (docs/environments.md)."""
+    """The LLM solvability check, validation's last step (SPADE's tool-use recipe), in one of two modes.
+    ``play``: the policy plays the program with its hint ``attempts`` times (each attempt a fresh reset seed, all
+    programs' attempts batched in lockstep); it is solvable when at least ``min_wins`` attempts are won
+    (``rewards.win_threshold``). ``judge`` (the reference's): the policy reads the program's source and answers a boxed
+    yes or no, one request per program, at most ``judge_max_tokens`` long; a reply without a verdict and a failed
+    engine call are decided by ``on_no_verdict`` / ``on_error`` (the reference accepts both). Off by default;
+    ``temperature`` (the reference's 0.3) samples either mode (docs/environments.md)."""
 
     enabled: bool = False
-    attempts: int = 4
-    min_wins: int = 1
+    mode: Literal["play", "judge"] = "play"
+    attempts: int = 4  # play
+    min_wins: int = 1  # play
     temperature: float = 0.3
+    judge_max_tokens: int = 16384  # judge: the reply's length limit (the reference's --spade-env-validator-max-tokens)
+    on_no_verdict: Literal["accept", "refuse"] = "accept"  # judge: a reply with no single \boxed{yes} / \boxed{no}
+    on_error: Literal["accept", "refuse"] = "accept"  # judge: the engine call failed (EngineError) or cannot fit
 
     def check(self) -> None:
-        _positive("validation.solvability", self, "attempts", "min_wins")
+        _positive("validation.solvability", self, "attempts", "min_wins", "judge_max_tokens")
         _require(self.min_wins <= self.attempts, "validation.solvability.min_wins",
                  f"must be <= validation.solvability.attempts ({self.attempts}), got {self.min_wins}")
         _require(self.temperature >= 0.0, "validation.solvability.temperature",
@@ -508,7 +515,8 @@ class ValidationConfig:
         # episodes run from seed to seed + random_episodes, and the sandbox takes seeds that fit in 64 bits
         _require(-2**63 <= self.seed <= 2**64 - 1 - self.random_episodes, "validation.seed",
                  f"must be in [-2**63, 2**64 - 1 - validation.random_episodes], got {self.seed}")
-        _require(not self.solvability.enabled or self.seed <= 2**64 - self.solvability.attempts, "validation.seed",
+        played = self.solvability.enabled and self.solvability.mode == "play"
+        _require(not played or self.seed <= 2**64 - self.solvability.attempts, "validation.seed",
                  f"must be <= 2**64 - validation.solvability.attempts ({self.solvability.attempts}): the check's "
                  f"attempts reset from seed to seed + attempts - 1, in 64 bits; got {self.seed}")
 

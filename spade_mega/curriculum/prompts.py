@@ -1,4 +1,5 @@
-"""Prompts for the three ways the one model is asked: design an environment, play one, play one with the hint.
+"""Prompts for the ways the one model is asked: design an environment, play one, play one with the hint, and judge
+whether one can be won (the solvability check's ``judge`` mode).
 
 Every prompt is a list of chat messages rendered through the model's own chat template (the tokenizer's
 ``apply_chat_template``), so the designer and the agent see exactly the format the model was trained on. A tokenizer
@@ -52,6 +53,22 @@ AGENT_SYSTEM = (
     "You are playing a text-based environment. Each user message is the environment's observation. Think as much "
     "as you need, then give your move as <action>YOUR MOVE</action>; only the text inside the last action tag is "
     "sent to the environment."
+)
+
+JUDGE_SYSTEM = (
+    "You check environment programs written for a self-play curriculum before an agent trains on them. Refuse only a "
+    "program that no player could ever win; a hard program is welcome, an impossible one is useless."
+)
+JUDGE_TASK = (
+    "Can a player win this environment? The player sees only the observations that reset() and step() return and "
+    "answers each with a text action.\n\n{program}\n\n"
+    "Follow the reward and termination logic back to the actions that trigger them. The program is UNWINNABLE when "
+    "the winning condition can never hold: no sequence of actions reaches the state it checks, two conditions "
+    "contradict each other, a comparison can never be true (a string compared with a number, an item looked up in "
+    "a list of records), or it needs a value the player can neither read in an observation nor work out from the "
+    "task. Values drawn at random are fine as long as an observation reveals them or they can be discovered by "
+    "acting. Difficulty, long action sequences, strict formats and unhelpful messages are no reason to refuse.\n\n"
+    "End your answer with \\boxed{{yes}} if the environment can be won, or \\boxed{{no}} if it cannot."
 )
 
 
@@ -297,3 +314,9 @@ class PromptBuilder:
     def hint_play(self, observations: Sequence[str], actions: Sequence[str], hint: str) -> ChatPrompt:
         """The agent prompt with the designer's privileged hint (hint plays measure regret; never trained on)."""
         return self.agent(observations, actions, hint=hint)
+
+    def solvability_judge(self, source: str) -> ChatPrompt:
+        """Ask whether the program ``source`` can be won, answered with a boxed yes or no (the solvability check's
+        ``judge`` mode). Like the reference's validator it shows the source alone, not the designer's hint."""
+        task = JUDGE_TASK.format(program=_fenced(self.untrusted(source)))
+        return self._prompt([{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": task}])

@@ -73,7 +73,8 @@ class Reason(str, Enum):
 class SolvabilityVerdict:
     """The solvability check's judgement of one program. ``reason`` is the rejection when it is not solvable:
     ``unsolvable``, or the failure of a program that broke while being played (``timeout``, ``program_error``).
-    ``cost`` says what judging it took (plays, tokens), for metrics; it lands in ``report.stats["solvability"]``."""
+    ``cost`` says what judging it took (plays, tokens), for metrics; it lands in ``report.stats["solvability"]``,
+    ``detail`` in ``report.stats["solvability_detail"]`` (and in ``report.detail`` when it is refused)."""
 
     solvable: bool
     detail: str
@@ -193,6 +194,7 @@ class Validator:
             took = time.perf_counter() - started
             for (_, report), verdict in zip(passed, verdicts):
                 report.stats["solvability"] = dict(verdict.cost)
+                report.stats["solvability_detail"] = verdict.detail  # also why a solvable one passed
                 report.seconds += took
                 if not verdict.solvable:
                     report.reason, report.detail = verdict.reason, verdict.detail

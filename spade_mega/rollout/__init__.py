@@ -12,8 +12,9 @@ from spade_mega.rollout.designer import DesignerBatch, designer_outcome, generat
 from spade_mega.rollout.records import (AgentEpisode, AgentPlay, DesignerOutcome, DesignerSlot, EpisodeFailure,
                                         RolloutStats, TokenSequence)
 from spade_mega.rollout.runner import Rollout
-from spade_mega.rollout.solvability import PlayedSolvability
+from spade_mega.rollout.solvability import JudgedSolvability, PlayedSolvability, parse_verdict, solvability_check
 
 __all__ = ["AgentBatch", "AgentEpisode", "AgentPlay", "ChatTurns", "DesignerBatch", "DesignerOutcome", "DesignerSlot",
-           "EpisodeFailure", "PlayedSolvability", "Rollout", "RolloutStats", "TokenSequence", "designer_outcome",
-           "generate_designs", "play_episodes", "validate_outcomes"]
+           "EpisodeFailure", "JudgedSolvability", "PlayedSolvability", "Rollout", "RolloutStats", "TokenSequence",
+           "designer_outcome", "generate_designs", "parse_verdict", "play_episodes", "solvability_check",
+           "validate_outcomes"]

@@ -15,15 +15,16 @@ from spade_mega.rollout.agent import AgentBatch, play_episodes
 from spade_mega.rollout.chat import ChatTurns
 from spade_mega.rollout.designer import DesignerBatch, generate_designs
 from spade_mega.rollout.records import AgentPlay, DesignerSlot
-from spade_mega.rollout.solvability import PlayedSolvability
+from spade_mega.rollout.solvability import solvability_check
 
 
 class Rollout:
     """``design(slots)`` asks the designer for environments; ``play(plays)`` runs agent episodes and hint plays.
 
     The engine and the pool belong to the caller (one each per run); the tokenizer must be the engine's. With
-    ``validation.solvability.enabled`` the validator ends with the policy's solvability check
-    (:class:`PlayedSolvability`, on this engine) unless the caller passes its own ``solvability``.
+    ``validation.solvability.enabled`` the validator ends with the policy's solvability check in
+    ``validation.solvability.mode`` (:func:`solvability_check`, on this engine) unless the caller passes its own
+    ``solvability``.
     """
 
     def __init__(self, cfg: SpadeConfig, engine: Engine, pool: SandboxPool, builder: PromptBuilder,
@@ -32,7 +33,7 @@ class Rollout:
         self.cfg, self.engine, self.pool = cfg, engine, pool
         self.chat = ChatTurns(builder)
         if solvability is None and cfg.validation.solvability.enabled:
-            solvability = PlayedSolvability(engine, self.chat, pool, cfg)
+            solvability = solvability_check(engine, self.chat, pool, cfg)
         self.validator = Validator(pool, cfg.validation, solvability=solvability, rollout_turns=cfg.rollout.max_turns)
 
     @classmethod

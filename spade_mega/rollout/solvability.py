@@ -1,32 +1,42 @@
-"""The LLM solvability check, validation's last step: the policy plays each program with its hint, and a program
-fewer than ``validation.solvability.min_wins`` of whose ``attempts`` are won is refused as unsolvable.
+"""The LLM solvability check, validation's last step, in the mode ``validation.solvability.mode`` names.
 
-SPADE validates tool-use environments with "an LLM solvability check". The reference shows the model the program's
-source and asks for a boxed yes/no (at temperature 0.3), accepting the program when the answer has no verdict. Here
-the model *plays* the program, with the designer's hint, exactly as a hint play does: a win is evidence a reading
-cannot fake, a program the policy cannot win even when told how teaches the agent nothing until the policy improves,
-and the episodes go through the same lockstep machinery as training (``rollout.agent``): every attempt of every
-program in one batch, one engine call per turn, at most ``rollout.max_open_envs`` sandbox workers open.
+SPADE validates tool-use environments with "an LLM solvability check". Two ways of asking the policy are offered, each
+judging every program of a regeneration in one batch on the rollout's engine:
 
-A program that breaks while being played (its ``step()`` times out or raises on the model's actions) is refused with
-that failure as the reason: training would hit it too.
+``play`` (:class:`PlayedSolvability`): the policy *plays* each program with the designer's hint, exactly as a hint
+play does, and a program fewer than ``min_wins`` of whose ``attempts`` are won is refused as unsolvable. A win is
+evidence a reading cannot fake, a program the policy cannot win even when told how teaches the agent nothing until the
+policy improves, and the episodes go through the same lockstep machinery as training (``rollout.agent``): every
+attempt of every program in one batch, one engine call per turn, at most ``rollout.max_open_envs`` sandbox workers
+open. A program that breaks while being played (its ``step()`` times out or raises on the model's actions) is refused
+with that failure as the reason: training would hit it too.
+
+``judge`` (:class:`JudgedSolvability`, the reference's ``EnvironmentValidator``): the policy *reads* each program's
+source and answers a boxed yes or no (:func:`parse_verdict`), one request per program, all in one engine call. What a
+reply without a verdict and a failed call decide is configured (``on_no_verdict``, ``on_error``; the reference
+accepts the program in both cases). The reply is not trained on, as in the reference.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.curriculum.rewards import won
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
-from spade_mega.envs.validate import Reason, SolvabilityVerdict
-from spade_mega.inference.base import Engine
+from spade_mega.envs.validate import Reason, SolvabilityCheck, SolvabilityVerdict
+from spade_mega.inference.base import Engine, EngineError, GenerationRequest, SamplingParams
 from spade_mega.rollout.agent import play_episodes
-from spade_mega.rollout.chat import ChatTurns
+from spade_mega.rollout.chat import ChatTurns, decode, encode
 from spade_mega.rollout.records import AgentEpisode, AgentPlay, EpisodeFailure, RolloutStats
 from spade_mega.rollout.sampling import derived_seed
+
+log = logging.getLogger(__name__)
 
 _BROKEN = {EpisodeFailure.STEP_TIMEOUT: Reason.TIMEOUT, EpisodeFailure.SANDBOX_ERROR: Reason.PROGRAM_ERROR}
 
@@ -75,3 +85,145 @@ class PlayedSolvability:
         detail = (f"{wins} of {len(episodes)} attempts with the hint won (reward >= rewards.win_threshold "
                   f"{threshold:g}; best reward {best:g}); validation.solvability.min_wins is {needed}")
         return SolvabilityVerdict(wins >= needed, detail, Reason.UNSOLVABLE, cost)
+
+
+# A box's opening; its content runs to the matching closing brace (nested braces allowed).
+_BOX = re.compile(r"\\boxed\s*\{")
+# LaTeX wrappers a model puts around a word in a box: \boxed{\text{yes}}, \boxed{\textbf{No}}, \boxed{\boxed{yes}}.
+_WRAPPER = re.compile(r"^\\(?:boxed|text|textbf|textit|texttt|mathrm|mathbf|mbox)\s*\{(.*)\}$", re.DOTALL)
+# Code in the reply (a fenced block, closed or not, or an inline span): the model quoting the program, not judging it.
+_CODE = re.compile(r"(`{3,}|~{3,})[\s\S]*?(?:\1|\Z)|`[^`\n]+`")
+_VERDICTS = {"yes": True, "no": False}
+
+
+def _boxes(text: str) -> list[str]:
+    """The contents of the outermost ``\\boxed{...}`` of ``text``, in order; an unclosed box has none."""
+    contents, at = [], 0
+    while (match := _BOX.search(text, at)) is not None:
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth:
+            break
+        contents.append(text[match.end():i - 1])
+        at = i
+    return contents
+
+
+def parse_verdict(reply: str) -> Optional[bool]:
+    """The judge's verdict in ``reply`` (the model's answer alone, never the prompt that quotes the program): True for
+    ``\\boxed{yes}``, False for ``\\boxed{no}``, None when there is none to read.
+
+    Strict where the reference (the first ``\\boxed{...}``, yes/y/true accepting and anything else refusing) guesses:
+    only a box holding yes or no is a verdict (case, surrounding space, a final full stop and LaTeX wrappers such as
+    ``\\text{}`` or a nested box do not matter; ``\\boxed{42}`` is no verdict); boxes inside code (the model quoting the
+    program) and inside the reasoning of a thinking model (before its last ``</think>``; an unclosed ``<think>`` means
+    the answer never came) do not count; and a reply whose verdicts disagree has none."""
+    if "</think>" in reply:
+        reply = reply.rsplit("</think>", 1)[1]
+    elif "<think>" in reply:
+        return None
+    found = set()
+    for content in _boxes(_CODE.sub(" ", reply)):
+        word = content.strip()
+        while (wrapped := _WRAPPER.match(word)) is not None:
+            word = wrapped.group(1).strip()
+        word = word.rstrip(".").strip().lower()
+        if word in _VERDICTS:
+            found.add(_VERDICTS[word])
+    return found.pop() if len(found) == 1 else None
+
+
+class JudgedSolvability:
+    """A :data:`~spade_mega.envs.validate.SolvabilityCheck` that asks ``engine`` to judge each program's source.
+
+    One request per program, all in one ``engine.generate`` call, sampled at ``validation.solvability.temperature``
+    with a seed derived from the program's hash (a verdict under given weights is reproducible), at most
+    ``judge_max_tokens`` long and never past ``rollout.max_context_tokens``. A program whose prompt leaves no room for
+    a reply, and every program of a call that raises :class:`EngineError`, get the ``on_error`` decision; a reply
+    without a verdict gets ``on_no_verdict``. ``stats`` adds up the engine time and tokens of every check.
+    """
+
+    def __init__(self, engine: Engine, chat: ChatTurns, cfg: SpadeConfig) -> None:
+        self.engine, self.chat = engine, chat
+        self.check = cfg.validation.solvability
+        self.context = cfg.rollout.max_context_tokens
+        self.top_p = cfg.rollout.top_p
+        self.stats = RolloutStats()
+
+    def __call__(self, programs: Sequence[EnvProgram]) -> list[SolvabilityVerdict]:
+        tokenizer = self.chat.tokenizer
+        prompts = [tuple(encode(tokenizer, self.chat.builder.solvability_judge(p.source).text)) for p in programs]
+        asked = [i for i, ids in enumerate(prompts) if len(ids) < self.context]
+        requests = [GenerationRequest(prompts[i], SamplingParams(
+            max_new_tokens=min(self.check.judge_max_tokens, self.context - len(prompts[i])),
+            temperature=self.check.temperature, top_p=self.top_p, stop_token_ids=self.chat.stop_ids,
+            seed=derived_seed(int(programs[i].content_hash[:15], 16), 0))) for i in asked]
+        replies: dict[int, tuple[str, int]] = {}  # program -> (reply, generated tokens)
+        failure = None
+        if requests:
+            started = time.perf_counter()
+            try:
+                generations = self.engine.generate(requests)
+                if len(generations) != len(requests):
+                    raise EngineError(f"the engine returned {len(generations)} completions for {len(requests)} "
+                                      "requests")
+            except EngineError as error:
+                failure = f"the judge's engine call failed: {error}"
+                generations = []
+            self.stats.generation_s += time.perf_counter() - started
+            self.stats.engine_calls += 1
+            self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+            self.stats.generated_tokens += sum(len(g.output_ids) for g in generations)
+            self.stats.sequences += len(generations)
+            for i, generation in zip(asked, generations):
+                ids = self.chat.content_ids(generation.output_ids, self.chat.finish_reason(generation))
+                replies[i] = (decode(tokenizer, ids), len(generation.output_ids))
+        verdicts = [self._verdict(prompts[i], replies.get(i), failure) for i in range(len(programs))]
+        for key, setting in (("judge_no_verdict", "on_no_verdict"), ("judge_errors", "on_error")):
+            count = sum(int(v.cost[key]) for v in verdicts)
+            if count:  # the fallback decided these, not the judge
+                log.warning("solvability judge: %d of %d program(s) %s (validation.solvability.%s: %s)", count,
+                            len(programs), "got a reply without a verdict" if key == "judge_no_verdict"
+                            else "could not be judged", setting, getattr(self.check, setting))
+        return verdicts
+
+    def _verdict(self, prompt: tuple[int, ...], answer: Optional[tuple[str, int]],
+                 failure: Optional[str]) -> SolvabilityVerdict:
+        cost = {"judged": 1.0, "prompt_tokens": 0.0, "generated_tokens": 0.0, "judge_yes": 0.0, "judge_no": 0.0,
+                "judge_no_verdict": 0.0, "judge_errors": 0.0}
+        if answer is None:
+            cost["judge_errors"] = 1.0
+            detail = failure or (f"the judge's prompt ({len(prompt)} tokens) leaves no room for a reply within "
+                                 f"rollout.max_context_tokens ({self.context})")
+            return self._fallback(self.check.on_error, detail, "on_error", cost)
+        reply, generated = answer
+        cost["prompt_tokens"], cost["generated_tokens"] = float(len(prompt)), float(generated)
+        verdict = parse_verdict(reply)
+        quoted = _excerpt(reply)
+        if verdict is None:
+            cost["judge_no_verdict"] = 1.0
+            return self._fallback(self.check.on_no_verdict, f"the judge's reply has no single \\boxed{{yes}} or "
+                                  f"\\boxed{{no}}: {quoted}", "on_no_verdict", cost)
+        cost["judge_yes" if verdict else "judge_no"] = 1.0
+        return SolvabilityVerdict(verdict, f"the judge answered {'yes' if verdict else 'no'}: {quoted}",
+                                  Reason.UNSOLVABLE, cost)
+
+    @staticmethod
+    def _fallback(decision: str, detail: str, setting: str, cost: dict[str, float]) -> SolvabilityVerdict:
+        return SolvabilityVerdict(decision == "accept", f"{detail} (validation.solvability.{setting}: {decision})",
+                                  Reason.UNSOLVABLE, cost)
+
+
+def _excerpt(reply: str, chars: int = 300) -> str:
+    """The end of a reply (where the verdict is asked for), on one line."""
+    text = " ".join(reply.split())
+    return repr(text if len(text) <= chars else "..." + text[-chars:])
+
+
+def solvability_check(engine: Engine, chat: ChatTurns, pool: SandboxPool, cfg: SpadeConfig) -> SolvabilityCheck:
+    """The check ``validation.solvability.mode`` names, on the rollout's engine (and, to play, its sandbox pool)."""
+    if cfg.validation.solvability.mode == "judge":
+        return JudgedSolvability(engine, chat, cfg)
+    return PlayedSolvability(engine, chat, pool, cfg)
