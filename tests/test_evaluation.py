@@ -283,6 +283,10 @@ SOLUTIONS = {  # solution -> passes both tests?
     "while True:\n    pass\n": False,  # past sandbox.call_timeout_s
     "raise ValueError('no')\n": False,
     "import os\nos._exit(3)\n": False,  # kills its worker
+    # the expected outputs are not in the worker: a program that looks for them finds nothing to copy
+    "import sys\nprint(sys._getframe(1).f_locals['case'][1])\n": False,
+    "import gc\nprint(next(o for o in gc.get_objects() if isinstance(o, list) and o and o[0] == ['1 2\\n', '3\\n'])"
+    "[int(input().split()[0]) // 10][1])\n": False,
 }
 
 

@@ -3,14 +3,17 @@ every test case of its item, in sandbox workers, never in this process.
 
 Each candidate program travels inside a small environment program (the contract every sandbox worker runs): one
 ``step(str(i))`` runs test ``i``, the candidate executed as ``__main__`` with the test's input as standard input;
-the step's reward is 1 when the printed output equals the expected one token for token (whitespace and line breaks
-aside). Every test is one call, so each has ``sandbox.call_timeout_s``; a timeout, a crash, a wrong answer or a
-program that kills its worker fails the item, and the first failure ends its run. Functional (LeetCode-style,
+the step's observation is a digest of the printed output's tokens (whitespace and line breaks aside), and this
+process compares it with the expected output's: the expected outputs never enter the worker, so a program cannot
+find and print them (they were readable there from the runner's frame). Every test is one call, so each has
+``sandbox.call_timeout_s``; a timeout, a crash, a wrong answer or a program that kills its worker fails the item,
+and the first failure ends its run. Functional (LeetCode-style,
 call-a-method) tests are not supported: convert them to stdin/stdout first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Optional, Sequence
@@ -23,25 +26,25 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re
 
 # runs inside the sandbox worker; SOLUTION and TESTS are literals written in by tests_program()
 _RUNNER = '''
+import hashlib
 import io
 import sys
 
 SOLUTION = {solution!r}
-TESTS = {tests!r}
+INPUTS = {inputs!r}
 
 
 class CodeTests:
-    """Step i runs the candidate program on test case i; reward 1 when its output matches."""
+    """Step i runs the candidate program on test input i; the observation is the digest of its output's tokens."""
 
     max_turns = {count}
 
     def reset(self, seed):
-        return f"{{len(TESTS)}} test cases"
+        return f"{{len(INPUTS)}} test cases"
 
     def step(self, action):
-        case = TESTS[int(action)]
         stdin, stdout = sys.stdin, sys.stdout
-        sys.stdin = io.TextIOWrapper(io.BytesIO(case[0].encode()), encoding="utf-8")
+        sys.stdin = io.TextIOWrapper(io.BytesIO(INPUTS[int(action)].encode()), encoding="utf-8")
         sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
         outcome = "ok"
         try:
@@ -53,10 +56,11 @@ class CodeTests:
         finally:
             sys.stdin, sys.stdout = stdin, stdout
         out.flush()
-        printed = out.buffer.getvalue().decode("utf-8", "replace")
-        passed = outcome == "ok" and printed.split() == case[1].split()
-        last = int(action) == len(TESTS) - 1
-        return ("passed" if passed else f"failed: {{outcome}}"), float(passed), not passed or last, False, {{}}
+        if outcome != "ok":
+            return f"failed: {{outcome}}", 0.0, True, False, {{}}
+        tokens = " ".join(out.buffer.getvalue().decode("utf-8", "replace").split())
+        digest = hashlib.sha256(tokens.encode("utf-8", "replace")).hexdigest()
+        return digest, 0.0, int(action) == len(INPUTS) - 1, False, {{}}
 '''
 
 
@@ -90,9 +94,14 @@ def parse_tests(value: Any, setting: str, location: str) -> list[tuple[str, str]
     return tests
 
 
-def tests_program(solution: str, tests: Sequence[tuple[str, str]]) -> EnvProgram:
-    """The environment program that runs ``solution`` on ``tests`` inside a sandbox worker."""
-    source = _RUNNER.format(solution=solution, tests=[list(t) for t in tests], count=len(tests))
+def output_digest(output: str) -> str:
+    """What the runner reports of a printed output: the SHA-256 of its tokens joined by single spaces."""
+    return hashlib.sha256(" ".join(output.split()).encode("utf-8", "replace")).hexdigest()
+
+
+def tests_program(solution: str, inputs: Sequence[str]) -> EnvProgram:
+    """The environment program that runs ``solution`` on each of ``inputs`` inside a sandbox worker."""
+    source = _RUNNER.format(solution=solution, inputs=list(inputs), count=len(inputs))
     return EnvProgram(source, "", "code_tracing", {"origin": "evaluation"})
 
 
@@ -106,8 +115,9 @@ def run_tests(pool: SandboxPool, solutions: Sequence[Optional[str]], tests: Sequ
         handles = {}
         try:
             for i in todo[start:start + width]:
+                inputs = [case[0] for case in tests[i]]
                 try:
-                    handles[i] = pool.open(tests_program(solutions[i], tests[i]))  # type: ignore[arg-type]
+                    handles[i] = pool.open(tests_program(solutions[i], inputs))  # type: ignore[arg-type]
                 except SandboxError:
                     continue  # the wrapper holds only literals: a load failure is the worker's, and fails the item
             live = [i for i, reset in zip(handles, pool.reset_many([(h, 0) for h in handles.values()]))
@@ -117,7 +127,7 @@ def run_tests(pool: SandboxPool, solutions: Sequence[Optional[str]], tests: Sequ
                 steps = pool.step_many([(handles[i], str(done[i])) for i in live])
                 going = []
                 for i, step in zip(live, steps):
-                    if isinstance(step, SandboxError) or step.reward < 1.0:
+                    if isinstance(step, SandboxError) or step.observation != output_digest(tests[i][done[i]][1]):
                         continue
                     done[i] += 1
                     if done[i] == len(tests[i]):
