@@ -52,6 +52,7 @@ from spade_mega.envs.program import EnvProgram
 from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
+from spade_mega.megatron.parallel import init_distributed
 from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging, transcripts
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
@@ -432,29 +433,29 @@ class SelfPlay:
         return latest
 
     def _start_actor(self) -> "_Actor":
-        lock = RunDirLock(self.run_dir)  # before anything is written there; a second trainer stops here
-        try:
-            prepare_run_dir(self.cfg)
-            actor = _Actor(self.cfg, self.run_dir)
-        except BaseException:
-            lock.close()
-            raise
-        actor.closing.insert(0, lock)  # released last, once everything that writes the run directory is closed
-        return actor
+        prepare_run_dir(self.cfg)
+        return _Actor(self.cfg, self.run_dir)
 
     def run(self) -> RunSummary:
         cfg = self.cfg
         setup_logging(cfg.logging)
         with _StopSignal() as stop:  # from the start: a time-limit warning while the trainer builds stops at rollout 1
             checkpoint = self._checkpoint_to_resume()
-            state = self.store.read_state(checkpoint) if checkpoint is not None else None
-            trainer = Trainer(cfg, total_steps=self._steps_estimate())
-            actor = _from_rank0(self._start_actor, share=False)
+            init_distributed()  # before the lock, so that every rank gets its error
+            # rank 0 alone writes the run directory; a second trainer on it stops here, before the model is built
+            lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
             try:
-                return self._run(trainer, actor, checkpoint, state, stop)
+                state = self.store.read_state(checkpoint) if checkpoint is not None else None
+                trainer = Trainer(cfg, total_steps=self._steps_estimate())
+                actor = _from_rank0(self._start_actor, share=False)
+                try:
+                    return self._run(trainer, actor, checkpoint, state, stop)
+                finally:
+                    if actor is not None:
+                        actor.close()
             finally:
-                if actor is not None:
-                    actor.close()
+                if lock is not None:
+                    lock.close()
 
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
              state: Optional[LoopState], stop: _StopSignal) -> RunSummary:
