@@ -385,3 +385,29 @@ def test_eval_refuses_without_weights_or_with_an_unknown_suite(tmp_path: Path,
     assert "give --checkpoint" in capsys.readouterr().err
     assert main(["eval", str(TINY), "--hf-weights", str(tmp_path), "--suite", "aime"]) == 2
     assert "no suite named 'aime'" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_an_eval_failure_on_rank_0_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    """Two ranks started as srun starts its tasks (no torchrun agent to kill the survivor): rank 0 cannot build its
+    engine, so rank 1 must not wait for it in the weight sync (over gloo it died there with 'Connection closed by
+    peer', over NCCL it would hang); every rank exits 2 with rank 0's error."""
+    from spade_mega.inference.server import free_port
+
+    checkpoint = tmp_path / "checkpoints"
+    save = ("import sys; from spade_mega.config.loader import load_config; from spade_mega.megatron import Trainer; "
+            "Trainer(load_config(sys.argv[1])).save(sys.argv[2])")
+    subprocess.run([sys.executable, "-c", save, str(TINY), str(checkpoint)], check=True, capture_output=True,
+                   timeout=300, cwd=ROOT, env=ONE_THREAD)
+    (tmp_path / "empty").mkdir()
+    port = str(free_port())
+    ranks = [subprocess.Popen([str(SCRIPT), "eval", str(TINY), f"inference.hf_weights={tmp_path / 'empty'}",
+                               "--checkpoint", str(checkpoint)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT,
+                              env={**ONE_THREAD, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], errors[1][-3000:]
+    assert "no *.safetensors files" in errors[0].splitlines()[-1]
+    assert "rank 0 failed, so rank 1 stops too: EngineError" in errors[1].splitlines()[-1]

@@ -63,25 +63,37 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         source = {"hf_weights": str(Path(cfg.inference.hf_weights).absolute())}  # type: ignore[arg-type]
     rank = dist.get_rank() if dist.is_initialized() else 0
-    engine, pool = None, None
+    parts: list[Any] = []  # rank 0's engine and sandbox pool, closed at the end
+
+    def start() -> Evaluator:
+        """Rank 0's engine, pool and evaluator (which reads the suites: a bad one fails before the weights move)."""
+        tokenizer = load_tokenizer(cfg.model.tokenizer)
+        engine = build_engine(cfg, tokenizer)
+        parts.append(engine)
+        pool = None
+        if any(s.kind == "env" or s.scorer == "code" for _, s in suites):  # these run in sandbox workers
+            pool = SandboxPool(cfg.sandbox)
+            parts.append(pool)
+        return Evaluator(cfg, engine, tokenizer, pool, only=args.suite)
+
     try:
-        if rank == 0:
-            tokenizer = load_tokenizer(cfg.model.tokenizer)
-            engine = build_engine(cfg, tokenizer)
+        if dist.is_initialized():  # a failure on rank 0 stops every rank, named (they would wait in the sync)
+            from spade_mega.selfplay.loop import _from_rank0
+
+            evaluator = _from_rank0(start, share=False)
+        else:
+            evaluator = start()
         if trainer is not None:
             from spade_mega.bridge import sync_weights
 
-            sync_weights(trainer, engine, trainer.step)
+            sync_weights(trainer, parts[0] if parts else None, trainer.step)
         if rank != 0:
             return 0
-        assert engine is not None
-        if any(s.kind == "env" or s.scorer == "code" for _, s in suites):  # these run in sandbox workers
-            pool = SandboxPool(cfg.sandbox)
-        results = Evaluator(cfg, engine, tokenizer, pool, only=args.suite).evaluate()
+        assert evaluator is not None
+        results = evaluator.evaluate()
     finally:
-        for part in (pool, engine):
-            if part is not None:
-                part.close()
+        for part in reversed(parts):
+            part.close()
     print(format_table(results))
     if args.output is not None:
         _write_json(Path(args.output), {"config": str(Path(args.config).absolute()), **source,
