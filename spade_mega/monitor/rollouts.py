@@ -14,6 +14,7 @@ from typing import Any, Optional
 from spade_mega.monitor.transcripts import clip, read_rollout, select
 
 SHOWN_CHARS = 1500  # per text field on the console (the file keeps up to logging.transcript_max_chars)
+SHOWN_RECORDS = 20  # a 30B-recipe rollout holds ~800 episodes
 
 
 def _number(value: Any) -> str:
@@ -98,7 +99,7 @@ def _rollouts(args: argparse.Namespace) -> int:
     rollout, records = read_rollout(args.run_dir, args.rollout)
     order = "best" if args.best else "worst" if args.worst else None
     chosen = select(args.run_dir, records, args.role, args.env, order)
-    shown = chosen if args.limit is None else chosen[:args.limit]
+    shown = chosen[:args.limit] if args.limit else chosen
     if args.json:
         for record in shown:
             print(json.dumps(record, ensure_ascii=False))
@@ -142,7 +143,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ranking = parser.add_mutually_exclusive_group()
     ranking.add_argument("--best", action="store_true", help="highest advantage first (reward where not trained)")
     ranking.add_argument("--worst", action="store_true", help="lowest advantage first")
-    parser.add_argument("--limit", type=_count, metavar="K", help="show at most K (default: all)")
+    parser.add_argument("--limit", type=_count, default=SHOWN_RECORDS, metavar="K",
+                        help=f"show at most K (default {SHOWN_RECORDS}; 0: all)")
     parser.add_argument("--chars", type=_count, default=SHOWN_CHARS, metavar="C",
                         help=f"characters shown per text field, head and tail (default {SHOWN_CHARS}; 0: all)")
     parser.add_argument("--json", action="store_true", help="print the selected records as JSON lines instead")
