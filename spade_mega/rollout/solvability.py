@@ -91,8 +91,13 @@ class PlayedSolvability:
 _BOX = re.compile(r"\\boxed\s*\{")
 # LaTeX wrappers a model puts around a word in a box: \boxed{\text{yes}}, \boxed{\textbf{No}}, \boxed{\boxed{yes}}.
 _WRAPPER = re.compile(r"^\\(?:boxed|text|textbf|textit|texttt|mathrm|mathbf|mbox)\s*\{(.*)\}$", re.DOTALL)
-# Code in the reply (a fenced block, closed or not, or an inline span): the model quoting the program, not judging it.
-_CODE = re.compile(r"(`{3,}|~{3,})[\s\S]*?(?:\1|\Z)|`[^`\n]+`")
+# Code in the reply is the model quoting the program, not judging it. As markdown (CommonMark) reads it: a fence opens
+# on a line that starts with one (up to 3 spaces in; a backtick fence's info string holds no backtick) and closes on a
+# line of the same character alone, at least as long, or runs to the end; an inline span closes at the next run of
+# as many backticks on its line. A ``` inside a quoted line neither opens nor closes a block.
+_FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
+_FENCE_CLOSE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*$")
+_INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)")
 _VERDICTS = {"yes": True, "no": False}
 
 
@@ -111,21 +116,44 @@ def _boxes(text: str) -> list[str]:
     return contents
 
 
-def parse_verdict(reply: str) -> Optional[bool]:
+def _prose(reply: str, source: str) -> str:
+    """``reply`` without its code (blocks and inline spans, each line kept as an empty one) and without the lines that
+    are lines of the program's ``source`` (a quote that left its code block: the program talking, not the judge)."""
+    quoted = {line.strip() for line in source.splitlines()} - {""}
+    lines, fence = [], None
+    for line in reply.split("\n"):
+        if fence is not None:  # inside a block
+            closing = _FENCE_CLOSE.match(line)
+            if closing and closing[1][0] == fence[0] and len(closing[1]) >= len(fence):
+                fence = None
+            lines.append("")
+        elif (opening := _FENCE_OPEN.match(line)) and not (opening[1][0] == "`" and "`" in line[opening.end():]):
+            fence = opening[1]
+            lines.append("")
+        else:
+            line = _INLINE_CODE.sub(" ", line)
+            lines.append("" if line.strip() in quoted else line)
+    return "\n".join(lines)
+
+
+def parse_verdict(reply: str, source: str = "") -> Optional[bool]:
     """The judge's verdict in ``reply`` (the model's answer alone, never the prompt that quotes the program): True for
-    ``\\boxed{yes}``, False for ``\\boxed{no}``, None when there is none to read.
+    ``\\boxed{yes}``, False for ``\\boxed{no}``, None when there is none to read. ``source`` is the judged program's.
 
     Strict where the reference (the first ``\\boxed{...}``, yes/y/true accepting and anything else refusing) guesses:
     only a box holding yes or no is a verdict (case, surrounding space, a final full stop and LaTeX wrappers such as
     ``\\text{}`` or a nested box do not matter; ``\\boxed{42}`` is no verdict); boxes inside code (the model quoting the
-    program) and inside the reasoning of a thinking model (before its last ``</think>``; an unclosed ``<think>`` means
-    the answer never came) do not count; and a reply whose verdicts disagree has none."""
+    program, read as markdown reads it), on a line of the program's ``source`` (a quote outside code) and inside the
+    reasoning of a thinking model (before its last ``</think>`` outside code; an unclosed ``<think>`` means the answer
+    never came) do not count; and a reply whose verdicts disagree has none. So the program, quoted verbatim in code or
+    out of it, adds no verdict: at most it hides the model's (None, which ``on_no_verdict`` decides)."""
+    reply = _prose(reply, source)
     if "</think>" in reply:
         reply = reply.rsplit("</think>", 1)[1]
     elif "<think>" in reply:
         return None
     found = set()
-    for content in _boxes(_CODE.sub(" ", reply)):
+    for content in _boxes(reply):
         word = content.strip()
         while (wrapped := _WRAPPER.match(word)) is not None:
             word = wrapped.group(1).strip()
@@ -180,7 +208,9 @@ class JudgedSolvability:
             for i, generation in zip(asked, generations):
                 ids = self.chat.content_ids(generation.output_ids, self.chat.finish_reason(generation))
                 replies[i] = (decode(tokenizer, ids), len(generation.output_ids))
-        verdicts = [self._verdict(prompts[i], replies.get(i), failure) for i in range(len(programs))]
+        # the program as written and as the prompt shows it (control tokens broken): the lines the model may quote
+        shown = [f"{p.source}\n{self.chat.builder.untrusted(p.source)}" for p in programs]
+        verdicts = [self._verdict(shown[i], prompts[i], replies.get(i), failure) for i in range(len(programs))]
         for key, setting in (("judge_no_verdict", "on_no_verdict"), ("judge_errors", "on_error")):
             count = sum(int(v.cost[key]) for v in verdicts)
             if count:  # the fallback decided these, not the judge
@@ -189,7 +219,7 @@ class JudgedSolvability:
                             else "could not be judged", setting, getattr(self.check, setting))
         return verdicts
 
-    def _verdict(self, prompt: tuple[int, ...], answer: Optional[tuple[str, int]],
+    def _verdict(self, source: str, prompt: tuple[int, ...], answer: Optional[tuple[str, int]],
                  failure: Optional[str]) -> SolvabilityVerdict:
         cost = {"judged": 1.0, "prompt_tokens": 0.0, "generated_tokens": 0.0, "judge_yes": 0.0, "judge_no": 0.0,
                 "judge_no_verdict": 0.0, "judge_errors": 0.0}
@@ -200,7 +230,7 @@ class JudgedSolvability:
             return self._fallback(self.check.on_error, detail, "on_error", cost)
         reply, generated = answer
         cost["prompt_tokens"], cost["generated_tokens"] = float(len(prompt)), float(generated)
-        verdict = parse_verdict(reply)
+        verdict = parse_verdict(reply, source)
         quoted = _excerpt(reply)
         if verdict is None:
             cost["judge_no_verdict"] = 1.0
