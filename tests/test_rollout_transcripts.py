@@ -151,6 +151,10 @@ def test_a_designer_output_reads_beside_the_reward_a_later_rollout_released(tmp_
     assert [(e["id"], e.get("program")) for e in at_reward] == [("r3-env0-play0", None), ("r1-s0", "class Env: ...")]
     assert at_reward[1]["components"] == {"regret": 0.3} and at_reward[1]["output_rollout"] == 1
     assert [e["id"] for e in select(tmp_path, read_rollout(tmp_path, 3)[1], env="ab")] == ["r3-env0-play0"]
+    transcript_path(tmp_path, 1).unlink()  # its output's rollout has no transcript (written before it was on)
+    [alone] = select(tmp_path, read_rollout(tmp_path, 3)[1], role="designer")
+    assert (alone["id"], alone["output_rollout"], alone["reward_rollout"], alone["reward"]) == ("r1-s0", 1, 3, 0.8)
+    assert "prompt" not in alone
 
 
 def test_transcript_max_chars_is_checked() -> None:

@@ -156,9 +156,10 @@ def designer_entries(run_dir: str | Path, records: list[dict[str, Any]]) -> list
     for i in order:
         reward = rewards.get(i, {})
         merged = {**outputs.get(i, {}), **{k: v for k, v in reward.items() if k not in ("kind", "rollout")}}
-        merged.update(kind="design", output_rollout=outputs.get(i, reward).get("rollout"),
-                      reward_rollout=reward.get("rollout", outputs.get(i, {}).get("reward_rollout")),
-                      released=bool(reward))
+        output = outputs.get(i)
+        merged.update(kind="design", released=bool(reward),
+                      output_rollout=output["rollout"] if output else reward.get("output_rollout"),
+                      reward_rollout=reward["rollout"] if reward else (output or {}).get("reward_rollout"))
         entries.append(merged)
     return entries
 
