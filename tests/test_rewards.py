@@ -198,6 +198,19 @@ def test_win_threshold_must_be_reachable() -> None:
     replace(CFG, win_threshold=1.0).check()
 
 
+def test_a_config_with_the_removed_solve_threshold_is_told_what_replaced_it(tmp_path: Path) -> None:
+    """solve_threshold counted learnability's solves alone; win_threshold decides every win rate, so renaming the key
+    blindly changes the plateau and the rest too: the error says so, from a file and from an override."""
+    old = tmp_path / "old.yaml"
+    old.write_text("rewards:\n  solve_threshold: 0.8\n")
+    for args in ((old, ()), (None, ["rewards.solve_threshold=0.8"])):
+        with pytest.raises(ConfigError) as info:
+            load_config(*args)
+        assert info.value.path == "rewards.solve_threshold"
+        assert "removed" in str(info.value) and "replaced by rewards.win_threshold" in str(info.value)
+        assert "every win rate" in str(info.value)
+
+
 def test_learning_potential_tracker_by_hand() -> None:
     t = LearningPotentialTracker(0.99, 0.95)
     assert t.potential == 0.0 and t.baseline is None

@@ -24,6 +24,14 @@ from spade_mega.config.schema import SpadeConfig
 T = TypeVar("T")
 BASE_KEY = "base"
 RESOLVED_NAME = "config.yaml"
+# Keys a release removed, with what replaced them: an old config gets this instead of a guess at a similar name.
+REMOVED_KEYS = {
+    "rewards.solve_threshold": "replaced by rewards.win_threshold, which decides every win rate (the plateau, the "
+                               "learning-potential EMAs, micro learning potential, the memory's outcomes, the "
+                               "solvability check, metrics), not learnability's solve rate alone; rename it after "
+                               "checking the value is the reward a program pays for solving its task "
+                               "(docs/environments.md, 'What counts as a win')",
+}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -194,6 +202,8 @@ def build(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
+        if key not in names and full in REMOVED_KEYS:
+            raise ConfigError(full, f"removed: {REMOVED_KEYS[full]}")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
             suggestion = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
