@@ -144,6 +144,15 @@ def test_suites_load_from_jsonl_and_parquet_with_configured_fields(tmp_path: Pat
      "eval.suites[0].id_field", "occurs more than once"),
     (None, {"path": "builtin:calculus"}, "eval.suites[0].path", "no built-in suite"),
     (None, {"path": "data.csv"}, "eval.suites[0].path", "cannot tell the format"),
+    ([{"question": "q", "answer": "B", "opts": ["x", "y"]}], {"choices_field": "opts", "scorer": "choice"},
+     "eval.suites[0].prompt_template", r"has no \{choices\}: the model would never see the options"),
+    ([{"question": "q", "answer": "Paris"}], {"scorer": "choice"}, "eval.suites[0].answer_field",
+     "'Paris' is no option letter"),
+    ([{"question": "q", "answer": "ABC"}], {"scorer": "choice"}, "eval.suites[0].answer_field",
+     "'ABC' is no option letter"),
+    ([{"question": "q", "answer": "C", "opts": ["x", "y"]}],
+     {"scorer": "choice", "choices_field": "opts", "prompt_template": "{question}\n{choices}"},
+     "eval.suites[0].answer_field", "the item has 2 options"),
 ])
 def test_a_bad_suite_is_refused_naming_the_setting(tmp_path: Path, rows: list | None, change: dict, path: str,
                                                    message: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import EvalSuiteConfig
 from spade_mega.evaluation.code import parse_tests
+from spade_mega.evaluation.scoring import reference_letter
 
 BUILTIN = ("arithmetic",)
 _LETTERS = "ABCDEFGHIJ"
@@ -119,6 +120,10 @@ def load_items(suite: EvalSuiteConfig, where: str = "eval.suites[0]") -> list[QA
     items = items[:suite.max_items] if suite.max_items is not None else items
     if not items:
         raise ConfigError(setting, f"{suite.path} holds no items")
+    if suite.choices_field is not None and "{choices}" not in suite.prompt_template:
+        raise ConfigError(f"{where}.prompt_template", f"has no {{choices}}: the model would never see the options of "
+                                                      f"choices_field {suite.choices_field!r}; put {{choices}} where "
+                                                      "the 'A. ...' lines go")
     ids = [item.item_id for item in items]
     if len(set(ids)) != len(ids):
         duplicate = next(i for i in ids if ids.count(i) > 1)
@@ -144,6 +149,15 @@ def _item(suite: EvalSuiteConfig, where: str, position: int, location: str, reco
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise ConfigError(f"{where}.answer_field", f"{location}: {suite.answer_field!r} must be text or a number, "
                                                    f"got {answer!r}"[:400])
+    if suite.scorer == "choice":  # a reference no letter can equal would score every reply 0, silently
+        letter = reference_letter(str(answer))
+        if len(letter) != 1 or letter not in _LETTERS:
+            raise ConfigError(f"{where}.answer_field", f"{location}: {str(answer)!r} is no option letter (A-J); the "
+                                                       "choice scorer compares letters: store the right option's "
+                                                       "letter (docs/evaluation.md)"[:400])
+        if choices and _LETTERS.index(letter) >= len(choices):
+            raise ConfigError(f"{where}.answer_field", f"{location}: the answer is {letter}, but the item has "
+                                                       f"{len(choices)} options")
     item_id: Optional[Any] = str(position) if suite.id_field is None else \
         _field(record, suite.id_field, f"{where}.id_field", location)
     return QAItem(str(item_id), question, str(answer), tuple(str(c) for c in choices))

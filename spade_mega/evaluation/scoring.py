@@ -160,13 +160,15 @@ class Scorer:
         return answer, answer is not None and self.equal(answer, reference)
 
 
-def _reference_letter(reference: str) -> str:
+def reference_letter(reference: str) -> str:
+    """The option letter a ``choice`` reference names (``C``, ``(C)``, ``Answer: C``); else its normalised text, which
+    no reply's letter equals."""
     return choice_letter(reference) or normalise(reference).upper()
 
 
 SCORERS: dict[str, Scorer] = {
     "boxed": Scorer("boxed", final_answer, _same_maths),
-    "choice": Scorer("choice", choice_letter, lambda answer, reference: answer == _reference_letter(reference)),
+    "choice": Scorer("choice", choice_letter, lambda answer, reference: answer == reference_letter(reference)),
     "exact": Scorer("exact", lambda reply: final_answer(reply) or reply,
                     lambda answer, reference: normalise(answer) == normalise(reference)),
 }
