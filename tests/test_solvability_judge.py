@@ -220,6 +220,24 @@ def test_the_judge_reads_its_reply_against_the_programs_source(pool, tokenizer) 
     assert report.reason is Reason.UNSOLVABLE and report.stats["solvability"]["judge_yes"] == 0
 
 
+def test_a_reply_cut_off_in_the_reasoning_a_template_opened_has_no_verdict(tokenizer) -> None:
+    """Chat templates of thinking models (DeepSeek-R1, Qwen3 Thinking-2507) open the reasoning in the prompt, so the
+    reply carries only its </think>. Cut by judge_max_tokens before it, the reply is all reasoning: its boxes (a
+    hypothetical \\boxed{no}) are not the verdict. Once the reasoning closes, the answer's box counts."""
+    from spade_mega.tokenizer import CHATML_TEMPLATE, byte_tokenizer
+
+    thinking = byte_tokenizer()
+    thinking.chat_template = CHATML_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+    reasoning = "The reward is 1 for 'please'. If no action could reach it I would answer \\boxed{no}. Now step("
+    cfg = load_config(TINY, [*JUDGE, f"validation.solvability.judge_max_tokens={len(reasoning)}"])
+    sound, done = program("Sound"), program("Done")
+    replies = {"Sound": reasoning + "self, action) sets won", "Done": "Reachable.\n</think>\n\n\\boxed{yes}"}
+    engine = judge(cfg, thinking, replies)
+    assert engine.prompts == [] and "<think>" in PromptBuilder.from_config(cfg, thinking).solvability_judge("x").text
+    verdicts = JudgedSolvability(engine, engine.chat, cfg)([sound, done])
+    assert [v.cost["judge_no_verdict"] for v in verdicts] == [1, 0] and verdicts[1].cost["judge_yes"] == 1
+
+
 def test_a_random_model_gives_no_verdict_and_a_failed_call_gets_on_error(pool, tokenizer) -> None:
     """The real engine and tiny model: its replies (judge_max_tokens long at most) hold no verdict, so
     on_no_verdict decides; a prompt with no room in rollout.max_context_tokens and an engine that fails get

@@ -179,6 +179,10 @@ class JudgedSolvability:
         self.context = cfg.rollout.max_context_tokens
         self.top_p = cfg.rollout.top_p
         self.stats = RolloutStats()
+        # Thinking models' templates (DeepSeek-R1, Qwen3 Thinking-2507) open the reasoning in the generation prompt:
+        # the reply is read as its continuation, so a reply cut off before its </think> holds no answer
+        opening = chat.after_observation
+        self.reasoning = "<think>" if opening.rfind("<think>") > opening.rfind("</think>") else ""
 
     def __call__(self, programs: Sequence[EnvProgram]) -> list[SolvabilityVerdict]:
         tokenizer = self.chat.tokenizer
@@ -230,7 +234,7 @@ class JudgedSolvability:
             return self._fallback(self.check.on_error, detail, "on_error", cost)
         reply, generated = answer
         cost["prompt_tokens"], cost["generated_tokens"] = float(len(prompt)), float(generated)
-        verdict = parse_verdict(reply, source)
+        verdict = parse_verdict(self.reasoning + reply, source)
         quoted = _excerpt(reply)
         if verdict is None:
             cost["judge_no_verdict"] = 1.0
