@@ -4,17 +4,15 @@ A Triton kernel runs where it can: compiled, on CUDA tensors; interpreted (the k
 ``TRITON_INTERPRET=1``), on CPU tensors. Anywhere else the op's plain-torch reference runs instead, so a CPU-only
 process without the interpreter still trains. ``LAUNCHES`` lets tests and benchmarks prove which path ran.
 
-Triton is imported only here, and only when a kernel is to run: each op's kernels live in ``<op>_triton.py``, imported
-by :func:`kernel_for` when ``kernels.enabled`` asks for them. With the kernels disabled nothing imports Triton (macOS
-has no build of it; some clusters lack it); enabled without Triton, the first use is a :class:`KernelsUnavailable`
-naming the package to install.
+Triton is optional: each op module (``<op>.py``: its kernels beside its references) imports it guarded and defines
+its kernels only when it imports, else leaves them None. With ``kernels.enabled: false`` no kernel is asked for, so
+training runs where Triton is missing (macOS has no build of it; some clusters lack it); enabled without it, the
+first use is a :class:`KernelsUnavailable` naming the package to install. This module never imports Triton itself.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
-from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import torch
@@ -28,18 +26,6 @@ class KernelsUnavailable(SpadeError):
     """kernels.enabled, but Triton cannot be imported."""
 
 
-def triton_kernels(op: str) -> ModuleType:
-    """The Triton kernels of ``op`` (module ``spade_mega.kernels.<op>_triton``), importing Triton on first use."""
-    try:
-        return importlib.import_module(f"spade_mega.kernels.{op}_triton")
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] != "triton":
-            raise
-        raise KernelsUnavailable("kernels.enabled is true but Triton is not installed (pip install triton; it comes "
-                                 "with spade-mega on Linux, there is no build for macOS or Windows), or set "
-                                 "kernels.enabled: false to run the plain-torch references") from None
-
-
 def interpreted(kernel: Any) -> bool:
     """Whether ``kernel`` was defined under the Triton interpreter (it then runs on CPU tensors only)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -47,12 +33,17 @@ def interpreted(kernel: Any) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def kernel_for(op: str, name: str, tensor: torch.Tensor, enabled: bool = True) -> Optional[Any]:
-    """The kernel ``name`` of ``op`` when it is to run on ``tensor``: ``enabled`` (``kernels.enabled``) and the device
-    allows it. None otherwise: the caller runs its reference (and Triton is not imported when not ``enabled``)."""
+def kernel_for(kernel: Optional[Any], tensor: torch.Tensor, enabled: bool = True) -> Optional[Any]:
+    """``kernel`` (from its op module: None where that module could not import Triton) when it is to run on
+    ``tensor``: ``enabled`` (``kernels.enabled``) and the device allows it. None otherwise: the caller runs its
+    reference. Enabled without Triton: :class:`KernelsUnavailable`."""
     if not enabled:
         return None
-    kernel = getattr(triton_kernels(op), name)
+    if kernel is None:
+        raise KernelsUnavailable("kernels.enabled is true but Triton is not installed (pip install triton; it comes "
+                                 "with spade-mega on Linux, there is no build for macOS or Windows; if it is installed, "
+                                 "python -c 'import triton' says why it does not import), or set kernels.enabled: "
+                                 "false to run the plain-torch references")
     return kernel if (tensor.device.type == "cpu" if interpreted(kernel) else tensor.is_cuda) else None
 
 

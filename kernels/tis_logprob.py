@@ -20,7 +20,10 @@ Stages (each a Triton kernel with its plain-torch reference beside it, which run
      ``d loss / d logprob``. Its reference takes the TIS weight from ``rl.loss.truncated_is_weights``.
   4. backward ``logits_grad``: ``(c_lp * (onehot - p) - c_ent * p * (log p + H)) / temperature`` for each shard element.
 
-The kernels are in ``tis_logprob_triton.py``, imported (with Triton) only when they run.
+Layout: the stages in that order, each as kernel, reference and the function that picks one; then the autograd
+Function, the API and the ahead-of-time compile specs. Triton is optional: the kernels are defined only where it
+imports (under ``if triton is not None``); elsewhere the references run and ``dispatch.kernel_for`` refuses
+``kernels.enabled``.
 
 Tokens whose ``loss_mask`` is 0 are skipped (their logits are not read) and get loss, log-prob and entropy 0 and a zero
 gradient. Token ids outside ``[0, vocab)`` must be masked; they are never read out of bounds either way.
@@ -35,11 +38,19 @@ import torch
 import torch.distributed as dist
 
 from spade_mega.config.schema import RLConfig
-from spade_mega.kernels.dispatch import cdiv, kernel_for, launch, next_power_of_2, triton_kernels
+from spade_mega.kernels.dispatch import cdiv, kernel_for, launch, next_power_of_2
 from spade_mega.rl.loss import LOG_RATIO_LIMIT, truncated_is_weights
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (macOS, some clusters): the references run; kernels.enabled is refused
+    triton = None
 
 MAX_BLOCK_V = 4096  # vocab elements per loop step: 16 fp32 values per thread at 8 warps, no register spills on sm_90
 BLOCK_T = 512  # tokens per program in the per-token finalize stage (4 a thread)
+if triton is not None:
+    NEG_INF = tl.constexpr(float("-inf"))  # a kernel may read a module global only as a constexpr
 
 
 class TisLogprobResult(NamedTuple):
@@ -55,6 +66,43 @@ def vocab_launch_config(vocab_shard: int, block_v: Optional[int] = None) -> tupl
 
 
 # --------------------------------------------------------------------------------------------------- 1. shard stats
+if triton is not None:
+    @triton.jit
+    def _shard_stats_kernel(logits_ptr, tokens_ptr, mask_ptr, stats_ptr, stride_row, n_tokens, vocab_shard, vocab_start,
+                            temperature, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride_row
+        n_cols = vocab_shard
+        if mask_ptr is not None:
+            n_cols = tl.where(tl.load(mask_ptr + row) != 0, vocab_shard, 0)  # a masked token reads nothing
+        m = tl.full((), NEG_INF, tl.float32)
+        s = tl.full((), 0.0, tl.float32)
+        acc = tl.full((), 0.0, tl.float32)
+        for start in range(0, n_cols, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(base + offs, mask=offs < n_cols, other=NEG_INF).to(tl.float32) / temperature
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # all -inf so far: keep exp() away from (-inf) - (-inf)
+            shift = tl.where(m == NEG_INF, 0.0, m - m_safe)
+            alpha = tl.where(m == NEG_INF, 0.0, tl.exp(shift))
+            e = tl.exp(x - m_safe)
+            if WITH_ENTROPY:
+                d = tl.where(x == NEG_INF, 0.0, x - m_safe)
+                acc = alpha * (acc + s * shift) + tl.sum(e * d, axis=0)
+            s = s * alpha + tl.sum(e, axis=0)
+            m = m_new
+        local = tl.load(tokens_ptr + row) - vocab_start
+        in_shard = (local >= 0) & (local < n_cols)
+        # the same fp32 division as in the loop: x_tok <= max, so a log-prob is never positive
+        x_tok = tl.load(base + local, mask=in_shard, other=0.0).to(tl.float32) / temperature
+        tl.store(stats_ptr + row, m)
+        tl.store(stats_ptr + n_tokens + row, s)
+        tl.store(stats_ptr + 2 * n_tokens + row, acc)
+        tl.store(stats_ptr + 3 * n_tokens + row, tl.where(in_shard, x_tok, 0.0))
+else:  # no Triton: kernel_for refuses kernels.enabled
+    _shard_stats_kernel = None
+
+
 def shard_stats_reference(logits: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor],
                           vocab_start: int, temperature: float, with_entropy: bool) -> torch.Tensor:
     """Plain-torch ``shard_stats``: partials ``[4, T]`` (max, sum exp, sum e*(x-max), sampled logit or 0)."""
@@ -79,7 +127,7 @@ def shard_stats_reference(logits: torch.Tensor, tokens: torch.Tensor, loss_mask:
 def shard_stats(logits: torch.Tensor, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor], vocab_start: int,
                 temperature: float, with_entropy: bool, use_kernels: bool = True,
                 block_v: Optional[int] = None) -> torch.Tensor:
-    kernel = kernel_for("tis_logprob", "shard_stats_kernel", logits, use_kernels)
+    kernel = kernel_for(_shard_stats_kernel, logits, use_kernels)
     if kernel is None:
         return shard_stats_reference(logits, tokens, loss_mask, vocab_start, temperature, with_entropy)
     n_tokens, vocab_shard = logits.shape
@@ -102,6 +150,63 @@ def gather_partials(stats: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
 
 
 # --------------------------------------------------------------------------------------------------- 3. finalize
+if triton is not None:
+    @triton.jit
+    def _finalize_kernel(stats_ptr, n_shards, old_ptr, rollout_ptr, adv_ptr, mask_ptr,
+                         loss_ptr, logprob_ptr, entropy_ptr, lse_ptr, dlogprob_ptr,
+                         n_tokens, eps_clip_low, eps_clip_high, tis_clip_low, tis_clip, log_tis_clip, log_ratio_limit,
+                         WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        inb = offs < n_tokens
+        big_m = tl.full((BLOCK_T,), NEG_INF, tl.float32)
+        for r in range(0, n_shards):
+            big_m = tl.maximum(big_m, tl.load(stats_ptr + 4 * r * n_tokens + offs, mask=inb, other=NEG_INF))
+        m_safe = tl.where(big_m == NEG_INF, 0.0, big_m)
+        total = tl.zeros((BLOCK_T,), tl.float32)
+        acc = tl.zeros((BLOCK_T,), tl.float32)
+        x_tok = tl.zeros((BLOCK_T,), tl.float32)
+        for r in range(0, n_shards):
+            part = stats_ptr + 4 * r * n_tokens + offs
+            m_r = tl.load(part, mask=inb, other=NEG_INF)
+            s_r = tl.load(part + n_tokens, mask=inb, other=0.0)
+            shift = tl.where(m_r == NEG_INF, 0.0, m_r - m_safe)
+            scale = tl.where(m_r == NEG_INF, 0.0, tl.exp(shift))
+            total += s_r * scale
+            if WITH_ENTROPY:
+                acc += scale * (tl.load(part + 2 * n_tokens, mask=inb, other=0.0) + s_r * shift)
+            x_tok += tl.load(part + 3 * n_tokens, mask=inb, other=0.0)
+        active = inb
+        if mask_ptr is not None:
+            active = active & (tl.load(mask_ptr + offs, mask=inb, other=0) != 0)
+        total = tl.where(active, total, 1.0)  # masked and padding lanes: keep log(0) and 0/0 out of the way
+        log_total = tl.log(total)
+        lse = big_m + log_total
+        logprob = x_tok - lse
+        tl.store(logprob_ptr + offs, tl.where(active, logprob, 0.0), mask=inb)
+        tl.store(lse_ptr + offs, tl.where(active, lse, 0.0), mask=inb)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + offs, tl.where(active, log_total - acc / total, 0.0), mask=inb)
+        if old_ptr is not None:
+            old = tl.load(old_ptr + offs, mask=active, other=0.0)
+            adv = tl.load(adv_ptr + offs, mask=active, other=0.0)
+            log_ratio = logprob - old
+            in_range = (log_ratio >= -log_ratio_limit) & (log_ratio <= log_ratio_limit)
+            ratio = tl.exp(tl.minimum(tl.maximum(log_ratio, -log_ratio_limit), log_ratio_limit))
+            surrogate = -adv * ratio
+            clipped = -adv * tl.minimum(tl.maximum(ratio, 1.0 - eps_clip_low), 1.0 + eps_clip_high)
+            weight = tl.full((BLOCK_T,), 1.0, tl.float32)
+            if rollout_ptr is not None:
+                log_w = old - tl.load(rollout_ptr + offs, mask=active, other=0.0)
+                weight = tl.minimum(tl.maximum(tl.exp(tl.minimum(log_w, log_tis_clip)), tis_clip_low), tis_clip)
+            loss = weight * tl.maximum(surrogate, clipped)
+            # d(-A * ratio) / d logprob = -A * ratio while the unclipped branch is taken and the log-ratio is in range
+            dlogprob = tl.where((surrogate >= clipped) & in_range, weight * surrogate, 0.0)
+            tl.store(loss_ptr + offs, tl.where(active, loss, 0.0), mask=inb)
+            tl.store(dlogprob_ptr + offs, tl.where(active, dlogprob, 0.0), mask=inb)
+else:  # no Triton: kernel_for refuses kernels.enabled
+    _finalize_kernel = None
+
+
 class _Finalized(NamedTuple):
     loss: torch.Tensor  # zeros without old_logprobs
     logprobs: torch.Tensor
@@ -147,7 +252,7 @@ def finalize(partials: torch.Tensor, old_logprobs: Optional[torch.Tensor], advan
              rollout_logprobs: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor], eps_clip_low: float,
              eps_clip_high: float, tis_clip_low: float, tis_clip: float, with_entropy: bool,
              use_kernels: bool = True) -> _Finalized:
-    kernel = kernel_for("tis_logprob", "finalize_kernel", partials, use_kernels)
+    kernel = kernel_for(_finalize_kernel, partials, use_kernels)
     if kernel is None:
         return finalize_reference(partials, old_logprobs, advantages, rollout_logprobs, loss_mask, eps_clip_low,
                                   eps_clip_high, tis_clip_low, tis_clip, with_entropy)
@@ -167,6 +272,36 @@ def finalize(partials: torch.Tensor, old_logprobs: Optional[torch.Tensor], advan
 
 
 # --------------------------------------------------------------------------------------------------- 4. backward
+if triton is not None:
+    @triton.jit
+    def _logits_grad_kernel(logits_ptr, tokens_ptr, lse_ptr, entropy_ptr, coef_lp_ptr, coef_ent_ptr, grad_ptr,
+                            stride_row, grad_stride_row, vocab_shard, vocab_start, temperature,
+                            WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c_lp = tl.load(coef_lp_ptr + row) / temperature
+        c_ent = 0.0
+        entropy = 0.0
+        if WITH_ENTROPY:
+            c_ent = tl.load(coef_ent_ptr + row) / temperature
+            entropy = tl.load(entropy_ptr + row)
+        n_read = tl.where((c_lp != 0.0) | (c_ent != 0.0), vocab_shard, 0)  # masked tokens: write zeros, read nothing
+        lse = tl.load(lse_ptr + row)
+        local = tl.load(tokens_ptr + row) - vocab_start
+        base = logits_ptr + row * stride_row
+        out = grad_ptr + row * grad_stride_row
+        for start in range(0, vocab_shard, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            inb = offs < vocab_shard
+            x = tl.load(base + offs, mask=offs < n_read, other=NEG_INF).to(tl.float32) / temperature
+            p = tl.exp(x - lse)
+            g = c_lp * (tl.where(offs == local, 1.0, 0.0) - p)
+            if WITH_ENTROPY:
+                g -= c_ent * p * (tl.where(p > 0.0, x - lse, 0.0) + entropy)  # p = 0 at x = -inf: no 0 * inf
+            tl.store(out + offs, g.to(grad_ptr.dtype.element_ty), mask=inb)
+else:  # no Triton: kernel_for refuses kernels.enabled
+    _logits_grad_kernel = None
+
+
 def logits_grad_reference(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor,
                           entropy: Optional[torch.Tensor], coef_lp: torch.Tensor, coef_ent: Optional[torch.Tensor],
                           vocab_start: int, temperature: float) -> torch.Tensor:
@@ -185,7 +320,7 @@ def logits_grad_reference(logits: torch.Tensor, tokens: torch.Tensor, lse: torch
 def logits_grad(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, entropy: Optional[torch.Tensor],
                 coef_lp: torch.Tensor, coef_ent: Optional[torch.Tensor], vocab_start: int, temperature: float,
                 use_kernels: bool = True, block_v: Optional[int] = None) -> torch.Tensor:
-    kernel = kernel_for("tis_logprob", "logits_grad_kernel", logits, use_kernels)
+    kernel = kernel_for(_logits_grad_kernel, logits, use_kernels)
     if kernel is None:
         return logits_grad_reference(logits, tokens, lse, entropy, coef_lp, coef_ent, vocab_start, temperature)
     n_tokens, vocab_shard = logits.shape
@@ -304,8 +439,6 @@ def aot_specs() -> list:
     vocab passes with the entropy (the metric, or rl.entropy_coef > 0) and without (the SPADE recipe's loss)."""
     from spade_mega.kernels.aot import AotSpec
 
-    kernels = triton_kernels("tis_logprob")
-
     block, warps = vocab_launch_config(151_936)
     vocab_pass = {"tokens_ptr": "*i64:16", "stride_row": "i32:16", "vocab_shard": "i32:16", "vocab_start": "i32",
                   "temperature": "fp32", "WITH_ENTROPY": "constexpr", "BLOCK_V": "constexpr"}
@@ -313,11 +446,11 @@ def aot_specs() -> list:
     for entropy in (True, False):
         tag = "" if entropy else " (no entropy)"
         specs += [
-            AotSpec("tis_logprob.shard_stats" + tag, kernels.shard_stats_kernel,
+            AotSpec("tis_logprob.shard_stats" + tag, _shard_stats_kernel,
                     {"logits_ptr": "*bf16:16", "mask_ptr": "*i1:16", "stats_ptr": "*fp32:16", "n_tokens": "i32",
                      **vocab_pass},
                     {"WITH_ENTROPY": entropy, "BLOCK_V": block}, warps, f"bf16, BLOCK_V={block}"),
-            AotSpec("tis_logprob.logits_grad" + tag, kernels.logits_grad_kernel,
+            AotSpec("tis_logprob.logits_grad" + tag, _logits_grad_kernel,
                     {"logits_ptr": "*bf16:16", "lse_ptr": "*fp32:16", "entropy_ptr": "*fp32:16",
                      "coef_lp_ptr": "*fp32:16", "coef_ent_ptr": "*fp32:16", "grad_ptr": "*bf16:16",
                      "grad_stride_row": "i32:16", **vocab_pass},
@@ -326,7 +459,7 @@ def aot_specs() -> list:
                     f"bf16, BLOCK_V={block}"),
         ]
     return specs + [
-        AotSpec("tis_logprob.finalize", kernels.finalize_kernel,
+        AotSpec("tis_logprob.finalize", _finalize_kernel,
                 {"stats_ptr": "*fp32:16", "n_shards": "i32", "old_ptr": "*fp32:16", "rollout_ptr": "*fp32:16",
                  "adv_ptr": "*fp32:16", "mask_ptr": "*i1:16", "loss_ptr": "*fp32:16", "logprob_ptr": "*fp32:16",
                  "entropy_ptr": "*fp32:16", "lse_ptr": "*fp32:16", "dlogprob_ptr": "*fp32:16", "n_tokens": "i32",

@@ -1,7 +1,7 @@
 """spade-mega without Triton (macOS, clusters without it): with kernels.enabled false the GRPO ops the trainer calls
-(spade_mega.kernels.grpo, the switch point) run their plain-torch references and never import Triton; enabled, the
-first use says which package to install. Triton is hidden from a fresh process by a meta-path blocker (it stays
-installed for the rest of the suite)."""
+(spade_mega.kernels.grpo, the switch point) import and run their plain-torch references; enabled, the first use of
+either op says which package to install. Triton is hidden from a fresh process by a meta-path blocker (it stays
+installed for the rest of the suite), so an op module that imports it unguarded fails here."""
 
 from __future__ import annotations
 
@@ -46,16 +46,19 @@ rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 1.0])
 groups = torch.tensor([0, 0, 1, 1, 2, 2])
 roles = torch.tensor([0, 0, 0, 0, 1, 1])  # two agent groups, one designer skill
 advantages = grpo.sample_advantages(rewards, groups, roles, groups, 2.0, RLConfig(), off).samples
-try:
-    grpo.token_logprobs(logits, tokens, on, temperature=0.7)
-    enabled_error = None
-except SpadeError as exc:
-    enabled_error = str(exc)
+enabled_errors = []
+for use in (lambda: grpo.token_logprobs(logits, tokens, on, temperature=0.7),
+            lambda: grpo.sample_advantages(rewards, groups, roles, groups, 2.0, RLConfig(), on)):
+    try:
+        use()
+        enabled_errors.append(None)
+    except SpadeError as exc:
+        enabled_errors.append(str(exc))
 print(json.dumps({
     "logprobs_match": bool(torch.allclose(torch.where(mask, expected, 0.0), logprobs, atol=1e-5)),
     "grad": bool(logits.grad is not None and logits.grad.abs().sum() > 0),
     "advantages": [round(a, 4) for a in advantages.tolist()],
-    "enabled_error": enabled_error,
+    "enabled_errors": enabled_errors,
     "triton_modules": sorted(m for m in sys.modules if m.split(".")[0] == "triton"),
 }))
 """
@@ -69,6 +72,7 @@ def test_disabled_kernels_run_without_triton_and_enabled_ones_name_the_package()
     assert out["logprobs_match"] and out["grad"]
     assert out["advantages"] == [0.7071, -0.7071, 0.0, 0.0, 1.0, -1.0]  # (r - mean) / std; designer: centred x 2
     assert out["triton_modules"] == []
-    assert out["enabled_error"] is not None and "kernels.enabled is true but Triton is not installed" in \
-        out["enabled_error"] and "pip install triton" in out["enabled_error"] and "kernels.enabled: false" in \
-        out["enabled_error"]
+    assert len(out["enabled_errors"]) == 2  # the log-prob op, then the advantage op
+    for error in out["enabled_errors"]:
+        assert error is not None and "kernels.enabled is true but Triton is not installed" in error and \
+            "pip install triton" in error and "kernels.enabled: false" in error

@@ -135,10 +135,10 @@ def check_correctness() -> int:
     import torch
 
     from spade_mega.kernels import grpo_advantage, tis_logprob
-    from spade_mega.kernels.dispatch import LAUNCHES, interpreted, triton_kernels
+    from spade_mega.kernels.dispatch import LAUNCHES, interpreted
     from spade_mega.rl.advantages import grpo_advantages
 
-    if not interpreted(triton_kernels("tis_logprob").shard_stats_kernel):
+    if not interpreted(tis_logprob._shard_stats_kernel):
         print("the kernels were imported before TRITON_INTERPRET=1 was set: run this as its own process")
         return 1
     failures = 0
