@@ -59,6 +59,26 @@ BOXED = [  # (model reply, reference, right?)
     ("\\boxed{1{,}000}", "1000", True),
     ("\\boxed 5", "5", True),  # the token after a brace-less box
     ("I will write \\boxed at the end. The set is {12}.", "12", False),  # a box without braces does not reach on
+    # formatting around a number: percent, degrees, dollars, a unit, a variable, a Unicode minus, \frac12
+    ("\\boxed{50\\%}", "50", True),
+    ("\\boxed{50}", "50\\%", True),
+    ("\\boxed{51\\%}", "50", False),
+    ("\\boxed{30^\\circ}", "30", True),
+    ("\\boxed{30^{\\circ}}", "30^\\circ", True),
+    ("The total is \\boxed{\\$18.90}.", "18.9", True),
+    ("\\boxed{5\\text{ cm}}", "5", True),
+    ("\\boxed{5 \\mbox{cm}}", "5\\text{ cm}", True),
+    ("\\boxed{5\\text{ cm}}", "5\\text{ m}", False),  # another unit: not the same length
+    ("\\boxed{6\\text{ cm}}", "5", False),
+    ("\\boxed{3\\mathrm{i}}", "3", False),  # the imaginary unit is no unit of measure
+    ("\\boxed{x = 5}", "5", True),
+    ("\\boxed{x=5}", "-5", False),
+    ("\\boxed{−5}", "-5", True),
+    ("\\boxed{\\frac12}", "0.5", True),
+    ("\\boxed{-\\dfrac{3}{4}}", "-0.75", True),
+    ("\\boxed{\\left[ -1, \\infty \\right)}", "[-1,\\infty)", True),  # intervals: as text
+    ("\\boxed{(-1, \\infty)}", "[-1,\\infty)", False),
+    ("A train leaves at 3 pm at 60 mph; another at 4 pm at 80 mph. So 60, 80, 3 and 4 matter.", "240", False),
 ]
 
 

@@ -7,7 +7,9 @@ completion and *compares* it with the reference answer.
   ``Answer: ...`` line; both sides normalised (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a
   trailing full stop) and compared as exact rational numbers when both read as one (``1,000`` = ``1000``,
   ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list entries, so
-  ``1, 234`` is no number), else as normalised text.
+  ``1, 234`` is no number), else as normalised text. Around a number, ``x =``, ``\\$``, ``\\%``, ``^\\circ`` and a
+  trailing unit in ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting (MATH's answers drop them), except that
+  two different units never match (``5\\text{ cm}`` is not ``5\\text{ m}``).
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer), or a reply
   that is just the letter (``(C)``); compared with the reference letter.
@@ -41,6 +43,10 @@ _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 _WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
+_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*\.?\s*$")  # "5\text{ cm}"
+_CONSTANTS = ("e", "i")  # 3\mathrm{i} is a number of its own, not 3 of a unit
+_VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
+_SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
@@ -91,7 +97,8 @@ def normalise(answer: str) -> str:
     """Text of an answer with formatting that does not change its value removed."""
     text = _unwrap(answer.strip())
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = text.replace("{,}", ",")
+    text = text.replace("{,}", ",").replace("\u2212", "-")  # a Unicode minus
+    text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
         text = text.replace(spacing, "")
     text = re.sub(r"\s+", "", text)
@@ -123,12 +130,26 @@ def as_number(answer: str) -> Optional[Fraction]:
     return value
 
 
+def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str]]:
+    """An answer that is one number with at most the formatting the module docstring lists: (number, unit or "")."""
+    if _LIST_COMMA.search(answer):
+        return None
+    unit = _UNIT.search(answer)
+    if unit is not None and (unit.start() == 0 or unit.group(1) in _CONSTANTS):
+        unit = None
+    text = answer[:unit.start()] if unit is not None else answer
+    text = _VARIABLE.sub("", normalise(text.replace("\\$", "")))
+    for suffix in _SUFFIXES:
+        text = text.removesuffix(suffix)
+    value = as_number(text)
+    return None if value is None else (value, unit.group(1) if unit is not None else "")
+
+
 def _same_maths(predicted: str, reference: str) -> bool:
-    a, b = normalise(predicted), normalise(reference)
-    x, y = (None if _LIST_COMMA.search(raw) else as_number(text) for raw, text in ((predicted, a), (reference, b)))
+    x, y = _number_and_unit(predicted), _number_and_unit(reference)
     if x is not None and y is not None:
-        return x == y
-    return a == b
+        return x[0] == y[0] and (x[1] == y[1] or not x[1] or not y[1])
+    return normalise(predicted) == normalise(reference)
 
 
 def choice_letter(text: str) -> Optional[str]:
