@@ -97,7 +97,30 @@ _WRAPPER = re.compile(r"^\\(?:boxed|text|textbf|textit|texttt|mathrm|mathbf|mbox
 # as many backticks on its line. A ``` inside a quoted line neither opens nor closes a block.
 _FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
 _FENCE_CLOSE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*$")
-_INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`).+?(?<!`)\1(?!`)")
+_BACKTICKS = re.compile(r"`+")
+
+
+def _without_inline_code(line: str) -> str:
+    """``line`` with each inline code span (a backtick run to the next run as long) blanked, in one pass."""
+    runs = [(m.start(), m.end()) for m in _BACKTICKS.finditer(line)]
+    later: dict[int, list[int]] = {}  # run length -> indices of the runs of that length, last first
+    for i in reversed(range(len(runs))):
+        later.setdefault(runs[i][1] - runs[i][0], []).append(i)
+    pieces, at, i = [], 0, 0
+    while i < len(runs):
+        start, end = runs[i]
+        same = later[end - start]
+        same.pop()  # this run
+        if not same:  # no closing run: literal backticks
+            i += 1
+            continue
+        close = same[-1]
+        pieces += [line[at:start], " "]
+        at = runs[close][1]
+        for j in range(i + 1, close + 1):  # the runs inside the span and its closing run are spent
+            later[runs[j][1] - runs[j][0]].pop()
+        i = close + 1
+    return "".join(pieces) + line[at:]
 _VERDICTS = {"yes": True, "no": False}
 
 
@@ -131,7 +154,7 @@ def _prose(reply: str, source: str) -> str:
             fence = opening[1]
             lines.append("")
         else:
-            line = _INLINE_CODE.sub(" ", line)
+            line = _without_inline_code(line)
             lines.append("" if line.strip() in quoted else line)
     return "\n".join(lines)
 
