@@ -105,9 +105,12 @@ def continue_run(trainer, args, tag: str, result: dict) -> None:
 
 
 def scenario_reference(args) -> None:
+    from spade_mega.kernels.dispatch import LAUNCHES
+
     trainer = trainer_for(args)
     trainer.save(str(args.out / "init"))
     result = {"step1": trainer.train_step(make_batch(1)).metrics}
+    result["kernel_launches"] = dict(LAUNCHES)  # which path step 1 took (kernels.enabled)
     trainer.save(str(args.out / "reference"))
     continue_run(trainer, args, "reference", result)
     write_json(args.out / "reference.json", result)

@@ -130,6 +130,9 @@ def test_grpo_learns_one_digit_sums(tmp_path: Path) -> None:
 def test_step_through_the_triton_kernels_equals_the_reference_step(single: tuple[Path, dict], tmp_path: Path) -> None:
     """kernels.enabled routes the log-probs through spade_mega.kernels (the interpreter without a GPU)."""
     run_worker(1, "reference", tmp_path, "kernels.enabled=true", "model.moe_aux_loss_coeff=0.0")
+    launches = read_json(tmp_path / "reference.json")["kernel_launches"]
+    for stage in ("tis_logprob.shard_stats", "tis_logprob.finalize", "tis_logprob.logits_grad"):
+        assert launches.get(stage, 0) > 0, (stage, launches)  # the kernels ran, not the references
     fused = read_json(tmp_path / "reference.json")["step1"]
     plain = single[1]["steps"]["token-mean/one_per_micro_batch"]
     for key in ("loss", "grad_norm", "clip_frac", "tis_ratio_mean", "approx_kl"):
