@@ -22,6 +22,7 @@ from spade_mega.config.loader import load_config
 from spade_mega.curriculum.rewards import DesignerReward
 from spade_mega.envs import library
 from spade_mega.monitor.transcripts import (
+    BackgroundWriter,
     TranscriptError,
     clip,
     discard_after,
@@ -115,6 +116,28 @@ write_rollout({str(tmp_path)!r}, 1, slow())
     assert tmp.exists() and path.read_bytes() == before
     assert read_rollout(tmp_path, 1) == (1, first)
     assert discard_after(tmp_path, 1) == [] and not tmp.exists()
+
+
+def test_the_background_writer_writes_one_rollout_at_a_time_and_raises_its_errors_on_wait() -> None:
+    writer, events = BackgroundWriter(), []
+
+    def slow(name: str) -> None:
+        events.append(f"{name} started")
+        time.sleep(0.2)
+        events.append(f"{name} done")
+
+    writer.submit(slow, "r1")
+    writer.submit(slow, "r2")  # waits for r1's write first
+    writer.wait()
+    assert events == ["r1 started", "r1 done", "r2 started", "r2 done"]
+
+    def broken() -> None:
+        raise KeyError("a bug in a write")
+
+    writer.submit(broken)
+    with pytest.raises(KeyError, match="a bug in a write"):
+        writer.wait()
+    writer.wait()  # raised once
 
 
 def test_discard_after_deletes_later_rollouts_only(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ import html
 import json
 import os
 import re
+import threading
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from spade_mega.errors import SpadeError
 
@@ -67,6 +68,36 @@ def write_rollout(run_dir: str | Path, rollout: int, records: Iterable[dict[str,
     finally:
         os.close(fd)
     return target
+
+
+class BackgroundWriter:
+    """Runs one write at a time on a thread: compressing a large rollout's file takes seconds (tools/bench/transcripts),
+    which then overlap the optimizer steps instead of holding rank 0 while every other rank waits for it.
+    ``submit`` first waits for the previous write; ``wait`` before anything that must find the file (the checkpoint
+    of that rollout, the end of the run). An exception of a write is raised by the next ``wait`` or ``submit``."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def _run(self, write: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            write(*args)
+        except BaseException as exc:  # raised in the caller's thread by wait()
+            self._error = exc
+
+    def submit(self, write: Callable[..., Any], *args: Any) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(write, args), name="spade-transcript", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def rollouts_written(run_dir: str | Path) -> list[int]:

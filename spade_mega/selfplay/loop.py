@@ -135,6 +135,7 @@ class _Actor:
 
         self.cfg, self.run_dir = cfg, run_dir
         self.closing: list[Any] = []
+        self.writer = transcripts.BackgroundWriter()
         try:
             tokenizer = load_tokenizer(cfg.model.tokenizer)
             registry = SkillRegistry.from_config(cfg.curriculum)
@@ -164,6 +165,7 @@ class _Actor:
                                                cfg.rewards.env_reward_scale_cap)
 
     def close(self) -> None:
+        self.writer.wait()
         for part in reversed(self.closing):
             part.close()
         self.closing = []
@@ -224,7 +226,7 @@ class _Actor:
             values = advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels)
             samples = train_samples(trajectories, values)
             self.transcript.settle(trajectories, values)
-        self.transcript.write(self.run_dir)
+        self.writer.submit(self.transcript.write, self.run_dir)  # compressed while the trainer steps
         metrics["envs/count"] = float(len(self.environments))
         metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
         metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
@@ -549,6 +551,7 @@ class SelfPlay:
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""
         if actor is not None:
+            actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
             self.store.write_state(trainer.step, actor.state(r))
         dist.barrier()
         trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
