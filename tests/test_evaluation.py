@@ -300,6 +300,55 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_generat
         Evaluator(cfg, None, load_tokenizer(cfg.model.tokenizer))  # type: ignore[arg-type]
 
 
+def replies_engine(chat, replies: dict[str, str]):  # type: ignore[no-untyped-def]
+    """An engine answering each question with a fixed reply (a model that writes given text: the tiny one cannot),
+    as the scripted engines of the rollout tests do; the end-of-turn token ends every reply."""
+    from solver_engine import ScriptedSolverEngine
+
+    class Replies(ScriptedSolverEngine):
+        def _answer(self, prompt: str) -> str:
+            return next(reply for question, reply in replies.items() if question in prompt)
+
+    return Replies(chat, [])
+
+
+THOUGHTS = {  # question -> reply of a thinking model; every question's answer is 7
+    "Q0?": "<think>\nIt is 3 + 4.\n</think>\n\n\\boxed{7}",  # right
+    "Q1?": "<think>\nTry \\boxed{7}, then check the other cases and",  # cut off while thinking: no answer came
+    "Q2?": "<think>\nA first guess: \\boxed{7}.\n</think>\n\nAnswer: 9",  # answered 9; the 7 was a guess
+    "Q3?": "<think>\nSeven.\n</think>\nThe answer is \\boxed{7}.",  # right
+}
+
+
+@pytest.mark.parametrize("opens_reasoning", [False, True])
+def test_a_thinking_models_answer_is_what_follows_its_reasoning(tmp_path: Path, opens_reasoning: bool) -> None:
+    """Boxes inside the reasoning are not answers: a reply cut off before its </think> answered nothing, and a guess
+    while thinking is not the final answer. With a template that opens the reasoning in the prompt (DeepSeek-R1,
+    Qwen3 Thinking-2507) the reply carries only the </think>."""
+    from spade_mega.rollout.chat import ChatTurns
+    from spade_mega.tokenizer import CHATML_TEMPLATE, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    replies = dict(THOUGHTS)
+    if opens_reasoning:
+        tokenizer.chat_template = CHATML_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+        replies = {q: r.removeprefix("<think>\n") for q, r in replies.items()}
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"question": q, "answer": "7"} for q in THOUGHTS])
+    cfg = load_config(TINY, [f"eval.suites=[{{name: t, path: '{path}', samples: 2}}]"])
+    evaluator = Evaluator(cfg, None, tokenizer)  # type: ignore[arg-type]
+    assert ("<think>" in decode_prompt(evaluator, tokenizer)) is opens_reasoning
+    evaluator.engine = replies_engine(evaluator.chat, replies)
+    [result] = evaluator.evaluate()
+    assert [d["correct"] for d in result.details] == [2, 0, 0, 2]
+    assert [d["answers"][0] for d in result.details] == ["7", None, "9", "7"]
+
+
+def decode_prompt(evaluator: Evaluator, tokenizer) -> str:  # type: ignore[no-untyped-def]
+    from spade_mega.rollout.chat import decode
+
+    return decode(tokenizer, next(iter(evaluator.prompts.values()))[0])
+
+
 # --- code: run in sandbox workers ------------------------------------------------------------------------------
 
 ADD = [("1 2\n", "3\n"), ("10 20\n", "30")]

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import EvalSuiteConfig, SpadeConfig
+from spade_mega.curriculum.parsing import strip_reasoning
 from spade_mega.curriculum.prompts import PromptBuilder, render
 from spade_mega.curriculum.rewards import win_rate
 from spade_mega.envs import library
@@ -91,6 +92,9 @@ class Evaluator:
         self.cfg, self.engine, self.pool = cfg, engine, pool
         self.builder = PromptBuilder.from_config(cfg, tokenizer)
         self.chat = ChatTurns(self.builder)
+        # thinking models' templates (DeepSeek-R1, Qwen3 Thinking-2507) open the reasoning in the generation prompt
+        opening = self.chat.after_observation
+        self.opens_reasoning = opening.rfind("<think>") > opening.rfind("</think>")
         self.suites = selected(cfg, only)
         self.items: dict[str, list[QAItem]] = {}
         self.prompts: dict[str, list[list[int]]] = {}  # per QA item: its prompt's ids
@@ -118,6 +122,12 @@ class Evaluator:
             raise EvalError(f"suite {suite.name!r}, item {item.item_id}: the prompt has {len(ids)} tokens, "
                             f"rollout.max_context_tokens ({context}) leaves no room for an answer")
         return ids
+
+    def _final(self, reply: str) -> str:
+        """The reply after a thinking model's reasoning, where its answer is; "" when the reasoning never closed (cut
+        off by max_response_tokens: a box in it is a guess, not an answer)."""
+        answer, closed = strip_reasoning(reply)
+        return answer if closed and (not self.opens_reasoning or "</think>" in reply) else ""
 
     @staticmethod
     def _program(i: int, name: str) -> EnvProgram:
@@ -157,7 +167,7 @@ class Evaluator:
             bar.advance(len(chunk))
         n = suite.samples
         finishes = [self.chat.finish_reason(gen) for gen in generations]
-        replies = [decode(tokenizer, self.chat.content_ids(gen.output_ids, finish))
+        replies = [self._final(decode(tokenizer, self.chat.content_ids(gen.output_ids, finish)))
                    for gen, finish in zip(generations, finishes)]
         references = [item.answer for item in items for _ in range(n)]
         if suite.scorer == "code":
