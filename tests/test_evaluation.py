@@ -444,6 +444,33 @@ def test_the_loop_evaluates_at_its_interval_and_eval_rescores_the_checkpoint(tmp
         {k: v for k, v in records[2].items() if k.startswith("eval/")}
 
 
+FAILING_EVAL = """
+import sys
+from spade_mega.cli import main
+from spade_mega.errors import SpadeError
+from spade_mega.evaluation.runner import Evaluator
+
+def evaluate(self):
+    raise SpadeError("the engine ran out of memory on a 30k-token answer")
+
+Evaluator.evaluate = evaluate  # the failure under test: what an engine failing mid-evaluation raises
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_an_evaluation_that_fails_loses_no_training(tmp_path: Path) -> None:
+    """The evaluation of a save rollout runs after its checkpoint: when it fails the run stops (exit 2, naming the
+    error) with that rollout's training saved (the evaluation ran before the save, which then never happened)."""
+    loop = [arg for arg in LOOP if not arg.startswith(("selfplay.num_rollouts", "eval."))]
+    train = subprocess.run([sys.executable, "-c", FAILING_EVAL, "train", str(TINY), f"run.output_dir={tmp_path}",
+                            *loop, *ISOLATION, "selfplay.num_rollouts=1", "eval.interval=1",
+                            "eval.before_train=false"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
+    assert train.returncode == 2 and "ran out of memory" in train.stderr.splitlines()[-1], train.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").glob("step_*")] != []
+
+
 def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The command's engine serves the folder's weights: its answers are those of an engine started from them."""

@@ -16,8 +16,8 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
    ``selfplay.global_batch_size``; after the last step the new weights are streamed into the engine.
 4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
    saved together (state.py).
-5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync, rank 0
-   scores the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
+5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync and that
+   rollout's checkpoint (an evaluation that fails loses no training), rank 0 scores the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
    (step 0 before training). Evaluation seeds its own sampling, so training goes on as without it.
 
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
@@ -499,13 +499,15 @@ class SelfPlay:
                 synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
                 values["time/sync_s"] = synced.seconds
                 values["perf/sync_mb_per_s"] = synced.mb_per_s
-                if cfg.eval.interval and r % cfg.eval.interval == 0:
-                    values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
                     self._save(trainer, actor, r)
                     values["time/checkpoint_s"] = time.perf_counter() - started
+                # after the save: an evaluation that fails (an engine out of memory on long answers) or outlasts a
+                # time limit loses no training
+                if cfg.eval.interval and r % cfg.eval.interval == 0:
+                    values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
                 metrics.log(r, values)
