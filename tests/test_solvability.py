@@ -98,6 +98,23 @@ def test_the_check_is_off_by_default_and_on_in_the_tool_use_recipe(pool, tokeniz
     assert not load_config(ROOT / "examples" / "configs" / "qwen3_30b_a3b_games.yaml").validation.solvability.enabled
 
 
+def test_env_validate_says_it_did_not_run_the_check_a_config_enables(tmp_path) -> None:
+    """``spade-mega env validate`` has no policy to ask: with a config that enables the check (the tool-use recipe),
+    its "ok" covers the sandbox checks alone, and it says so instead of passing for the whole validation."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "stairs.py"
+    path.write_text(STAIRS)
+    script = Path(sys.executable).with_name("spade-mega")
+    common = ["env", "validate", str(path), "-c", str(TINY), "-s", "sandbox.isolation=best-effort"]
+    for extra in ([], ["-s", "validation.solvability.enabled=true"]):
+        proc = subprocess.run([str(script), *common, *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr
+        said = "validation.solvability is enabled but was not run" in proc.stderr
+        assert said == bool(extra), proc.stderr
+
+
 def test_a_policy_that_wins_passes_solvable_programs_and_refuses_the_rest(pool, tokenizer) -> None:
     """One batch: every attempt of every program played in lockstep (one engine call per turn), at the check's
     temperature; a program is refused when no attempt with its hint wins, or when it breaks under the policy."""

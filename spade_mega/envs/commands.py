@@ -70,6 +70,9 @@ def _validate(args: argparse.Namespace) -> int:
         else:
             assert report.reason is not None
             print(f"rejected  {path:<{width}}  {report.reason.value}: {report.detail}")
+    if cfg.validation.solvability.enabled:  # it asks the policy, which only a run has
+        print("note: validation.solvability is enabled but was not run: it asks the policy (the run's engine); "
+              "training runs it after these sandbox checks, so 'ok' here covers those alone", file=sys.stderr)
     rejected = Counter(r.reason.value for r in reports if r.reason is not None)
     if not args.json:
         causes = ", ".join(f"{reason} {n}" for reason, n in sorted(rejected.items()))
