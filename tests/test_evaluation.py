@@ -356,6 +356,8 @@ SOLUTIONS = {  # solution -> passes both tests?
     "a, b = map(int, input().split())\nprint(a + b)\n": True,
     "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.write(f'{a + b}\\n')\n": True,
     "import sys\nprint(sum(map(int, input().split())))\nsys.exit(0)\n": True,
+    "a, b = map(int, open(0).read().split())\nprint(a + b)\n": True,  # the competitive programmer's stdin
+    "print(sum(map(int, open(0, 'rb').read().split())))\n": True,
     "a, b = map(int, input().split())\nprint(a * b)\n": False,  # right on neither
     "a, b = map(int, input().split())\nprint(3)\n": False,  # right on the first test only
     "while True:\n    pass\n": False,  # past sandbox.call_timeout_s

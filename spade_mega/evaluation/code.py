@@ -2,13 +2,13 @@
 every test case of its item, in sandbox workers, never in this process.
 
 Each candidate program travels inside a small environment program (the contract every sandbox worker runs): one
-``step(str(i))`` runs test ``i``, the candidate executed as ``__main__`` with the test's input as standard input;
-the step's observation is a digest of the printed output's tokens (whitespace and line breaks aside), and this
-process compares it with the expected output's: the expected outputs never enter the worker, so a program cannot
-find and print them (they were readable there from the runner's frame). Every test is one call, so each has
-``sandbox.call_timeout_s``; a timeout, a crash, a wrong answer or a program that kills its worker fails the item,
-and the first failure ends its run. Functional (LeetCode-style,
-call-a-method) tests are not supported: convert them to stdin/stdout first.
+``step(str(i))`` runs test ``i``, the candidate executed as ``__main__`` with the test's input as standard input
+(``sys.stdin``, its buffer, and ``open(0)``); the step's observation is a digest of the printed output's tokens
+(whitespace and line breaks aside), and this process compares it with the expected output's: the expected outputs
+never enter the worker, so a program cannot find and print them (they were readable there from the runner's frame).
+Every test is one call, so each has ``sandbox.call_timeout_s``; a timeout, a crash, a wrong answer or a program that
+kills its worker fails the item, and the first failure ends its run. Functional (LeetCode-style, call-a-method) tests
+are not supported: convert them to stdin/stdout first.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from spade_mega.envs.sandbox import SandboxError, SandboxPool
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-# runs inside the sandbox worker; SOLUTION and TESTS are literals written in by tests_program()
+# runs inside the sandbox worker; SOLUTION and INPUTS are literals written in by tests_program()
 _RUNNER = '''
+import builtins
 import hashlib
 import io
 import sys
@@ -43,12 +44,20 @@ class CodeTests:
         return f"{{len(INPUTS)}} test cases"
 
     def step(self, action):
+        data = INPUTS[int(action)].encode()
+
+        def open_stdin(file, mode="r", *args, **kwargs):  # open(0).read(): stdin, as competitive programmers read it
+            if type(file) is int and file == 0:
+                return io.BytesIO(data) if "b" in mode else io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+            return builtins.open(file, mode, *args, **kwargs)
+
         stdin, stdout = sys.stdin, sys.stdout
-        sys.stdin = io.TextIOWrapper(io.BytesIO(INPUTS[int(action)].encode()), encoding="utf-8")
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
         sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
         outcome = "ok"
         try:
-            exec(compile(SOLUTION, "<solution>", "exec"), {{"__name__": "__main__"}})
+            exec(compile(SOLUTION, "<solution>", "exec"),
+                 {{"__name__": "__main__", "__builtins__": dict(vars(builtins), open=open_stdin)}})
         except SystemExit:
             pass
         except BaseException as exc:
