@@ -79,6 +79,9 @@ BOXED = [  # (model reply, reference, right?)
     ("\\boxed{\\left[ -1, \\infty \\right)}", "[-1,\\infty)", True),  # intervals: as text
     ("\\boxed{(-1, \\infty)}", "[-1,\\infty)", False),
     ("A train leaves at 3 pm at 60 mph; another at 4 pm at 80 mph. So 60, 80, 3 and 4 matter.", "240", False),
+    # a reference that is a worked solution (MATH's solution field) is its boxed answer
+    ("\\boxed{\\frac{1}{2}}", "Half of the 6 balls are red, so the chance is $\\boxed{\\frac{1}{2}}$.", True),
+    ("\\boxed{6}", "Half of the 6 balls are red, so the chance is $\\boxed{\\frac{1}{2}}$.", False),
 ]
 
 

@@ -9,7 +9,8 @@ completion and *compares* it with the reference answer.
   ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list entries, so
   ``1, 234`` is no number), else as normalised text. Around a number, ``x =``, ``\\$``, ``\\%``, ``^\\circ`` and a
   trailing unit in ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting (MATH's answers drop them), except that
-  two different units never match (``5\\text{ cm}`` is not ``5\\text{ m}``).
+  two different units never match (``5\\text{ cm}`` is not ``5\\text{ m}``). A reference holding a ``\\boxed{}`` (a
+  worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer), or a reply
   that is just the letter (``(C)``); compared with the reference letter.
@@ -146,6 +147,7 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str]]:
 
 
 def _same_maths(predicted: str, reference: str) -> bool:
+    reference = last_boxed(reference) or reference  # a worked solution (MATH's solution field): its boxed answer
     x, y = _number_and_unit(predicted), _number_and_unit(reference)
     if x is not None and y is not None:
         return x[0] == y[0] and (x[1] == y[1] or not x[1] or not y[1])
