@@ -88,6 +88,7 @@ QUOTES_THE_PROGRAM = ("The observation it prints is:\n```python\nreturn \"Answer
     ("<think>\nchecking\n</think>\nThe code:\n```python\nx = '</think> \\boxed{yes}'\n```\nUnwinnable: \\boxed{no}",
      False),
     ("<think>\nThe line `end = '</think>'` matters.\n</think>\n\\boxed{no}", False),
+    ("The code:\r\n```python\r\nx = 1\r\n```\r\nIt can be won. \\boxed{yes}\r\n", True),  # Windows line ends
 ])
 def test_the_verdict_is_one_boxed_yes_or_no_in_the_answer(reply: str, verdict: bool | None) -> None:
     assert parse_verdict(reply) is verdict

@@ -96,7 +96,7 @@ _WRAPPER = re.compile(r"^\\(?:boxed|text|textbf|textit|texttt|mathrm|mathbf|mbox
 # line of the same character alone, at least as long, or runs to the end; an inline span closes at the next run of
 # as many backticks on its line. A ``` inside a quoted line neither opens nor closes a block.
 _FENCE_OPEN = re.compile(r" {0,3}(`{3,}|~{3,})")
-_FENCE_CLOSE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*$")
+_FENCE_CLOSE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t\r]*$")
 _BACKTICKS = re.compile(r"`+")
 
 
