@@ -27,6 +27,7 @@ from spade_mega.monitor.transcripts import (
     clip,
     discard_after,
     read_rollout,
+    report_section,
     rollouts_written,
     select,
     transcript_path,
@@ -157,6 +158,15 @@ def test_reading_a_run_without_transcripts_or_a_missing_rollout_says_what_exists
     transcript_path(tmp_path, 5).write_bytes(b"not gzip")
     with pytest.raises(TranscriptError, match="cannot read this transcript"):
         read_rollout(tmp_path)
+    # a gzip header over a corrupt deflate stream (zlib.error, no OSError), and lines that are JSON but no record
+    corrupt = bytearray(gzip.compress(b'{"id": "r5-env0-play0"}\n' * 100, mtime=0))
+    corrupt[10] = 0x07  # the first block's type: 3, which deflate does not have
+    for content in (bytes(corrupt), gzip.compress(b'{"id": "r5-env0-play0"}\n[1, 2]\n')):
+        transcript_path(tmp_path, 5).write_bytes(content)
+        with pytest.raises(TranscriptError, match="rollout_000005.jsonl.gz: cannot read this transcript"):
+            read_rollout(tmp_path)
+        assert main(["rollouts", str(tmp_path)]) == 2
+        assert "cannot read this transcript" in report_section(tmp_path)  # the report says so, and is written
 
 
 def test_a_designer_output_reads_beside_the_reward_a_later_rollout_released(tmp_path: Path) -> None:

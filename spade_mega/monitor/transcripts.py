@@ -15,6 +15,7 @@ import json
 import os
 import re
 import threading
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -137,9 +138,15 @@ def read_rollout(run_dir: str | Path, rollout: Optional[int] = None) -> tuple[in
     path = transcript_path(run_dir, rollout)
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return rollout, [json.loads(line) for line in f if line.strip()]
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            records = [json.loads(line) for line in f if line.strip()]
+    # zlib.error: a gzip header over a corrupt deflate stream (no OSError)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TranscriptError(f"{path}: cannot read this transcript ({type(exc).__name__}: {exc})") from None
+    bad = next((n for n, record in enumerate(records, 1) if not isinstance(record, dict)), None)
+    if bad is not None:
+        raise TranscriptError(f"{path}: cannot read this transcript (record {bad} is a JSON "
+                              f"{type(records[bad - 1]).__name__}, not an object)")
+    return rollout, records
 
 
 def _ranges(values: list[int]) -> str:
