@@ -521,3 +521,38 @@ def test_an_eval_failure_on_rank_0_stops_every_rank_naming_it(tmp_path: Path) ->
     assert [rank.returncode for rank in ranks] == [2, 2], errors[1][-3000:]
     assert "no *.safetensors files" in errors[0].splitlines()[-1]
     assert "rank 0 failed, so rank 1 stops too: EngineError" in errors[1].splitlines()[-1]
+
+
+WAIT_FOR_RANK_0 = """
+import sys, time
+import torch.distributed as dist
+from spade_mega.config.loader import load_config
+from spade_mega.megatron.parallel import init_distributed
+from spade_mega.selfplay.loop import _from_rank0
+
+init_distributed(load_config(sys.argv[1], sys.argv[2:]).parallel)
+print(_from_rank0(lambda: time.sleep(4) or "scored", share=True))  # rank 0 evaluates; the others wait for it
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("minutes, waits", [(0.02, False), (1.0, True)])
+def test_the_ranks_wait_for_rank_0_as_long_as_parallel_collective_timeout_min(minutes: float, waits: bool) -> None:
+    """While rank 0 rolls out or evaluates (tens of minutes for a long-answer suite), the others wait in one
+    collective: the process group's timeout, parallel.collective_timeout_min, bounds that wait. It was torch's
+    default (NCCL 10 minutes, gloo 30), so a longer evaluation killed every other rank. Here rank 0 takes 4 s."""
+    from spade_mega.inference.server import free_port
+
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", WAIT_FOR_RANK_0, str(TINY),
+                               f"parallel.collective_timeout_min={minutes}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**ONE_THREAD, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    if waits:
+        assert [rank.returncode for rank in ranks] == [0, 0], outputs[1][1][-3000:]
+        assert [out.split() for out, _ in outputs] == [["scored"], ["scored"]]
+    else:  # rank 1 gave up after 1.2 s (rank 0 then found nobody to send to)
+        assert ranks[1].returncode != 0 and "timed out" in outputs[1][1].lower(), outputs[1][1][-3000:]

@@ -80,10 +80,12 @@ class ParallelConfig:
     context: int = 1
     recompute: Literal["none", "selective", "full"] = "none"
     max_tokens_per_gpu: int = 32768  # one micro-batch row; holds a whole sample (up to rollout.max_context_tokens)
+    # how long a rank waits in a collective: the others wait in one while rank 0 rolls out or evaluates
+    collective_timeout_min: float = 120.0
 
     def check(self) -> None:
         _positive("parallel", self, "tensor", "expert", "expert_tensor", "pipeline", "virtual_pipeline",
-                  "context", "max_tokens_per_gpu")
+                  "context", "max_tokens_per_gpu", "collective_timeout_min")
         _require(not self.sequence_parallel or self.tensor > 1, "parallel.sequence_parallel",
                  "needs parallel.tensor > 1 (sequence parallel splits activations across tensor-parallel ranks)")
         _require(self.virtual_pipeline is None or self.pipeline > 1, "parallel.virtual_pipeline",

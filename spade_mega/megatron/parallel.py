@@ -13,6 +13,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import numpy as np
@@ -108,8 +109,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed() -> int:
-    """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU.
+def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
+    """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU, its
+    collectives waiting up to ``parallel.collective_timeout_min`` (torch's default, NCCL's 10 minutes, is shorter than
+    the rollouts and evaluations during which the other ranks wait for rank 0).
 
     Under torchrun (or any launcher that exports them) the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     variables are used. Several srun tasks without them are refused: each would otherwise start a world of its own.
@@ -128,12 +131,14 @@ def init_distributed() -> int:
                               MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(minutes=(parallel or ParallelConfig()).collective_timeout_min))
     return dist.get_world_size()
 
 
-def initialize(layout: ParallelLayout, seed: int) -> None:
-    """Build Megatron's process groups for ``layout`` (replacing any previous ones) and seed all generators."""
+def initialize(layout: ParallelLayout, seed: int, timeout_min: float = 30.0) -> None:
+    """Build Megatron's process groups for ``layout`` (replacing any previous ones; their collectives time out after
+    ``timeout_min``, in whole minutes as Megatron takes it) and seed all generators."""
     compat.install()
     from megatron.core import parallel_state as ps
 
@@ -149,6 +154,7 @@ def initialize(layout: ParallelLayout, seed: int) -> None:
         context_parallel_size=layout.context,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        distributed_timeout_minutes=max(1, round(timeout_min)),
     )
     seed_everything(seed)
 

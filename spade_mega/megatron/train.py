@@ -82,8 +82,8 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        self.layout: ParallelLayout = resolve_layout(cfg.parallel, self.model_cfg, init_distributed())
-        initialize(self.layout, cfg.run.seed)
+        self.layout: ParallelLayout = resolve_layout(cfg.parallel, self.model_cfg, init_distributed(cfg.parallel))
+        initialize(self.layout, cfg.run.seed, cfg.parallel.collective_timeout_min)
         self.config = transformer_config(self.model_cfg, cfg.parallel, self.backend)
         chunks = build_model_chunks(self.model_cfg, self.config, self.backend)
 

@@ -443,7 +443,7 @@ class SelfPlay:
         setup_logging(cfg.logging)
         with _StopSignal() as stop:  # from the start: a time-limit warning while the trainer builds stops at rollout 1
             checkpoint = self._checkpoint_to_resume()
-            init_distributed()  # before the lock, so that every rank gets its error
+            init_distributed(cfg.parallel)  # before the lock, so that every rank gets its error
             # rank 0 alone writes the run directory; a second trainer on it stops here, before the model is built
             lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
             try:
