@@ -238,6 +238,22 @@ def _restructure_optimizer_state(trainer: "Trainer", loaded: Any, path: Path) ->
     return adapted[0] if len(adapted) == 1 else dict(enumerate(adapted))
 
 
+def _reidentify_param_groups(trainer: "Trainer", loaded: Any, path: Path) -> Any:
+    """The non-distributed optimizer's loaded state with each parameter group given this run's identifiers (matched
+    as :func:`_matching_group` does). Megatron pairs saved and current groups by identifiers that include the
+    learning rate and weight decay, so a resume with another optimizer.lr or weight_decay found no group and failed;
+    the config wins for those (see :func:`_apply_configured_hyperparameters`). The same layout saved it (checked),
+    so the groups are in the same order and each keeps its position's parameters."""
+    optimizers = _chained(trainer.optimizer)
+    entries = [loaded] if len(optimizers) == 1 else [loaded[i] for i in range(len(optimizers))]
+    for opt, entry in zip(optimizers, entries):
+        torch_state = entry["optimizer"] if "optimizer" in entry else entry  # mixed precision nests torch's state
+        saved = torch_state["param_groups"]
+        torch_state["param_groups"] = [{**_matching_group(current, saved, path), "params": group["params"]}
+                                       for current, group in zip(opt.optimizer.param_groups, saved)]
+    return loaded
+
+
 def _architecture(trainer: "Trainer") -> dict[str, Any]:
     m = trainer.model_cfg
     keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -446,8 +462,8 @@ def load_checkpoint(trainer: "Trainer", path: str | Path, *, weights_only: bool 
             chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
         if with_optimizer and trainer.cfg.optimizer.distributed:
             trainer.optimizer.load_state_dict(_restructure_optimizer_state(trainer, state["optimizer"], path))
-        elif with_optimizer:  # the same layout saved it (checked): Megatron's own structure as it is
-            trainer.optimizer.load_state_dict(state["optimizer"])
+        elif with_optimizer:  # the same layout saved it (checked): Megatron's own structure, groups re-identified
+            trainer.optimizer.load_state_dict(_reidentify_param_groups(trainer, state["optimizer"], path))
         else:  # saved before the first update (or weights only): the optimizer starts fresh, as it did then
             for optimizer in _chained(trainer.optimizer):
                 optimizer.optimizer.state.clear()

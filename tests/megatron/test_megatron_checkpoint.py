@@ -201,14 +201,16 @@ def test_non_distributed_optimizer_resumes_in_its_layout_and_a_changed_optimizer
     assert proc.returncode != 0 and "CheckpointError" in last and "optimizer.distributed" in last, last
 
 
-@pytest.fixture(scope="module")
-def rescheduled(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    """The schedule scenario's results and its log (a checkpoint resumed under other optimizer settings)."""
+@pytest.fixture(scope="module", params=["true", "false"], ids=["distributed", "non_distributed"])
+def rescheduled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """The schedule scenario's results and its log (a checkpoint resumed under other optimizer settings), with each
+    kind of optimizer: the non-distributed one's parameter groups are matched by Megatron's identifiers, which hold
+    the learning rate and weight decay, so a changed optimizer.lr once failed its resume as 'damaged files'."""
     from megatron_launch import read_json
 
     out = tmp_path_factory.mktemp("megatron_schedule")
-    proc = subprocess.run(worker_command(1, "schedule", out), capture_output=True, text=True, env=worker_env(),
-                          timeout=300)
+    proc = subprocess.run(worker_command(1, "schedule", out, f"optimizer.distributed={request.param}"),
+                          capture_output=True, text=True, env=worker_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_json(out / "schedule.json"), proc.stderr
 
