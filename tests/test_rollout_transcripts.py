@@ -378,3 +378,69 @@ def test_the_report_shows_the_newest_rollouts_extremes(runs: tuple[Path, Path, d
                   "best designer output (rollout 1)", "penalty -0.5", "[observation]", "[reply]"):
         assert title in section, title
     assert "&lt;|im_start|&gt;" in section and "<|im_start|>" not in section
+
+
+# --- a write that fails with an unexpected error (a record json cannot write) ----------------------------------
+
+
+def _failing_write(cfg, run_dir: Path) -> BackgroundWriter:
+    """A writer whose rollout-1 write raises TypeError: a record holding a value json cannot write."""
+    writer, transcript = BackgroundWriter(), RolloutTranscript(cfg, 1, byte_tokenizer())
+    transcript.records.append({"id": "r1-env0-play0", "reward": object()})
+    writer.submit(transcript.write, run_dir)
+    return writer
+
+
+def test_closing_the_actor_after_a_failed_write_still_closes_its_parts(tmp_path: Path) -> None:
+    """The write's error is raised, and the memory (the sandbox pool, the engine) is closed all the same."""
+    import sqlite3
+
+    from spade_mega.curriculum.memory import EnvMemory
+    from spade_mega.selfplay.loop import _Actor
+
+    cfg = load_config(TINY, [])
+    memory = EnvMemory.for_run(cfg.curriculum.memory, tmp_path)
+    actor = _Actor.__new__(_Actor)  # its close() alone: what __init__ built is what it closes
+    actor.writer, actor.closing = _failing_write(cfg, tmp_path), [memory]
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        actor.close()
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        memory.conn.execute("SELECT 1")
+
+
+SAVE_ON_TWO_RANKS = """
+import datetime, sys
+import torch.distributed as dist
+rank, init, config, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+from spade_mega.config.loader import load_config
+from spade_mega.selfplay import loop
+from test_rollout_transcripts import _failing_write
+cfg = load_config(config, [f"run.output_dir={out}"])
+actor = None
+if rank == 0:  # the actor's rank: rollout 1's transcript write fails
+    actor = loop._Actor.__new__(loop._Actor)
+    actor.writer = _failing_write(cfg, out)
+try:
+    loop.SelfPlay(cfg)._save(None, actor, 1)  # never reaches the trainer: the loop state comes first
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+    sys.exit(2)
+"""
+
+
+def test_a_failed_write_at_a_checkpoint_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    """Rank 0 waits for the rollout's transcript before the checkpoint; its failure reaches the other ranks,
+    which would otherwise wait for rank 0 in the checkpoint's barrier (over NCCL until the collective timeout)."""
+    from spade_mega.inference.server import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {**ONE_THREAD, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVE_ON_TWO_RANKS, str(rank), init, str(TINY), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=180)[0] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [2, 2], outputs
+    assert "TypeError: Object of type object is not JSON serializable" in outputs[0], outputs[0]
+    assert "RankZeroError: rank 0 failed, so rank 1 stops too: TypeError: Object of type object is not JSON " \
+           "serializable" in outputs[1], outputs[1]

@@ -165,10 +165,12 @@ class _Actor:
                                                cfg.rewards.env_reward_scale_cap)
 
     def close(self) -> None:
-        self.writer.wait()
-        for part in reversed(self.closing):
-            part.close()
-        self.closing = []
+        try:
+            self.writer.wait()
+        finally:  # a failed transcript write (raised here) leaves no sandbox worker or engine running
+            for part in reversed(self.closing):
+                part.close()
+            self.closing = []
 
     # --- state ------------------------------------------------------------------------------------------------
 
@@ -552,10 +554,15 @@ class SelfPlay:
 
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""
-        if actor is not None:
+
+        def loop_state() -> None:
+            assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
             self.store.write_state(trainer.step, actor.state(r))
-        dist.barrier()
+
+        # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
+        # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
+        _from_rank0(loop_state, share=False)
         trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
         if actor is not None:
             self.store.prune_states()
