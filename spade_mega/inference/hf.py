@@ -283,7 +283,7 @@ class HFEngine:
 
         Prompts of similar length (``prefill_tokens`` padded tokens at most) go together, *right*-padded: causal
         attention alone keeps a token from seeing the padding after it, so no attention mask is built (a left-padded
-        batch needs a [batch, 1, length, length] one, and SDPA falls back from its memory-efficient kernel with it).
+        batch needs a [batch, 1, length, length] one, which SDPA on CPU copies into a float mask four times its size).
         Logits are computed for the last prompt token only."""
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         buckets: list[list[int]] = [[]]
