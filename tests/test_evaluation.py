@@ -71,6 +71,7 @@ BOXED = [  # (model reply, reference, right?)
     ("\\boxed{5\\text{ cm}}", "5\\text{ m}", False),  # another unit: not the same length
     ("\\boxed{6\\text{ cm}}", "5", False),
     ("\\boxed{3\\mathrm{i}}", "3", False),  # the imaginary unit is no unit of measure
+    ("Answer: $5\\text{ cm}$.", "5", True),
     ("\\boxed{x = 5}", "5", True),
     ("\\boxed{x=5}", "-5", False),
     ("\\boxed{−5}", "-5", True),

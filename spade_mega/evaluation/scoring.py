@@ -44,7 +44,7 @@ _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 _WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
-_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*\.?\s*$")  # "5\text{ cm}"
+_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")  # "5\text{ cm}"
 _CONSTANTS = ("e", "i")  # 3\mathrm{i} is a number of its own, not 3 of a unit
 _VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
 _SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
