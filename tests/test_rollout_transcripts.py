@@ -444,3 +444,24 @@ def test_a_failed_write_at_a_checkpoint_stops_every_rank_naming_it(tmp_path: Pat
     assert "TypeError: Object of type object is not JSON serializable" in outputs[0], outputs[0]
     assert "RankZeroError: rank 0 failed, so rank 1 stops too: TypeError: Object of type object is not JSON " \
            "serializable" in outputs[1], outputs[1]
+
+
+def test_the_rollouts_command_prints_no_terminal_control_sequence_the_model_wrote(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Replies, programs and observations (a designer program's output) are untrusted text: an escape sequence in
+    them must not reach the reader's terminal (clear the screen over what was printed, set the clipboard: OSC 52),
+    so control characters are shown escaped; newlines and tabs stay."""
+    evil = "ok\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\r\x9b31m\tend\nnext line"
+    write_rollout(tmp_path, 1, [
+        {"rollout": 1, "role": "agent", "kind": "episode", "id": "r1-env0-play0\x1b[8m", "group": "env0",
+         "env_id": "abc", "prompt": evil, "turns": [{"reply": evil, "action": "up", "observation": evil}],
+         "failure": "env_error", "failure_detail": evil, "trained": True, "advantage": 1.0},
+        {"rollout": 1, "role": "designer", "kind": "output", "id": "r1-s0", "prompt": "p", "reply": evil,
+         "program": evil, "hint": evil, "valid": False, "validation": {"ok": False, "reason": "x", "output": evil}}])
+    assert main(["rollouts", str(tmp_path), "--chars", "0"]) == 0
+    out = capsys.readouterr().out
+    assert not [c for c in out if c not in "\n\t" and (ord(c) < 32 or 127 <= ord(c) < 160)]
+    assert out.count("ok\\x1b[2J\\x1b]52;c;cm0gLXJmIH4=\\x07\\x0d\\x9b31m") == 8 and "end\nnext line" in out
+    assert "agent r1-env0-play0\\x1b[8m" in out
+    assert main(["rollouts", str(tmp_path), "--json", "--role", "agent"]) == 0  # JSON as written: for programs
+    assert json.loads(capsys.readouterr().out)["prompt"] == evil

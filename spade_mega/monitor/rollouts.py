@@ -9,12 +9,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any, Optional
 
 from spade_mega.monitor.transcripts import clip, read_rollout, select
 
 SHOWN_CHARS = 1500  # per text field on the console (the file keeps up to logging.transcript_max_chars)
 SHOWN_RECORDS = 20  # a 30B-recipe rollout holds ~800 episodes
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but newline and tab, DEL, C1
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with the control characters of its strings shown escaped (``\\x1b``): model and program text must
+    not drive the reader's terminal (clear what was printed, set the clipboard)."""
+    if isinstance(value, str):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", value)
+    if isinstance(value, dict):
+        return {k: _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
 
 
 def _number(value: Any) -> str:
@@ -113,7 +129,7 @@ def _rollouts(args: argparse.Namespace) -> int:
         f"{sum(r.get('kind') == 'output' for r in records)} designer output(s), "
         f"{sum(r.get('kind') == 'reward' for r in records)} designer reward(s) released; showing {len(shown)} of "
         f"{len(chosen)}" + (f" ({order} advantage first)" if order else ""), style="bold"))
-    for record in shown:
+    for record in map(_printable, shown):
         title = f"{record.get('role')} {record.get('id')}"
         console.rule(Text(title, style="bold magenta"))
         (_print_agent if record.get("role") == "agent" else _print_designer)(console, record, args.chars)
