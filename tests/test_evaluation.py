@@ -490,6 +490,17 @@ def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,
     assert result["suites"][0]["details"] == direct.details and result["suites"][0]["metrics"] == direct.metrics
 
 
+def test_under_torchrun_only_rank_0_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path) -> None:
+    """An HF folder needs no trainer, so no rank but 0 has anything to do: it exits at once (every rank built an
+    engine and scored the suites, writing the same file)."""
+    out = tmp_path / "r1.json"
+    rank1 = subprocess.run([str(SCRIPT), "eval", str(TINY), "--hf-weights", str(hf_folder), "-o", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT,
+                           env={**ONE_THREAD, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    assert rank1.returncode == 0, rank1.stderr[-3000:]
+    assert not out.exists() and "accuracy" not in rank1.stdout
+
+
 def test_eval_refuses_without_weights_or_with_an_unknown_suite(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", str(TINY)]) == 2

@@ -53,6 +53,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.checkpoint is None and cfg.inference.hf_weights is None:
         raise SpadeError("nothing to evaluate: give --checkpoint (a run's Megatron checkpoint) or --hf-weights "
                          "(a Hugging Face folder); without either the engine would score random weights")
+    if args.checkpoint is None and int(os.environ.get("RANK", "0")) != 0:
+        return 0  # an HF folder needs no trainer: under torchrun rank 0 alone builds the engine and scores
     trainer = None
     if args.checkpoint is not None:  # every rank builds the trainer and loads its shards; rank 0 holds the engine
         from spade_mega.megatron import Trainer
@@ -111,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "newest step) or a Hugging Face folder (--hf-weights) on the held-out suites of CONFIG's "
                     "eval.suites, with the config's engine; print a table, and write JSON with -o. Seeds derive "
                     "from run.seed, so the same weights give the same scores. Under torchrun every rank loads "
-                    "its shards of the checkpoint and rank 0 evaluates.")
+                    "its shards of the checkpoint and rank 0 evaluates (with --hf-weights the other ranks exit "
+                    "at once).")
     parser.add_argument("config", metavar="CONFIG", help="YAML config (the run's: model, engine, eval.suites)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, values parsed as YAML: run.seed=7 'eval.suites=[{name: a}]'")
