@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Mapping
 
 from spade_mega.errors import SpadeError
@@ -87,6 +88,20 @@ def tokenizer_identity(name: str | None) -> dict[str, Any]:
 def same_tokenizer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two identities give token ids the same meaning (their names may differ: a moved folder)."""
     return a.get("vocab_size") == b.get("vocab_size") and a.get("sha256") == b.get("sha256")
+
+
+def check_folder_tokenizer(folder: str | Path, configured: str | None) -> None:
+    """A Hugging Face model folder that carries a tokenizer was trained with it: starting from its weights (convert
+    from-hf, a run's or an evaluation's inference.hf_weights) under another ``model.tokenizer`` would give every
+    token id another meaning from the first step, with no error anywhere. A folder without tokenizer files passes."""
+    folder = Path(folder).expanduser().absolute()
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    theirs, ours = tokenizer_identity(str(folder)), tokenizer_identity(configured)
+    if not same_tokenizer(theirs, ours):
+        raise TokenizerError(f"{folder} holds the tokenizer {describe_tokenizer(theirs)}; model.tokenizer is "
+                             f"{describe_tokenizer(ours)}: their token ids mean different things. Set "
+                             f"model.tokenizer={folder}")
 
 
 def describe_tokenizer(identity: Mapping[str, Any]) -> str:

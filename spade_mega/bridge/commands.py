@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
 
 from spade_mega.config.loader import load_config
 from spade_mega.config.schema import SpadeConfig
@@ -58,6 +57,7 @@ def _from_hf(args: argparse.Namespace) -> int:
     from spade_mega.bridge import BridgeError, HFCheckpoint, load_hf
     from spade_mega.megatron.checkpoint import find_latest
     from spade_mega.monitor.progress import RunProgress
+    from spade_mega.tokenizer import check_folder_tokenizer
 
     # step 0 under a root that holds checkpoints would replace one, or sit behind the newest (what loads of the root
     # take): refused, like to-hf's existing folder, before a model is built
@@ -67,7 +67,7 @@ def _from_hf(args: argparse.Namespace) -> int:
                           f"choose an empty or new --out")
     HFCheckpoint(args.hf)  # a folder without a checkpoint fails here, before a model is built
     cfg = _config(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
-    _check_folder_tokenizer(Path(args.hf), cfg.model.tokenizer)
+    check_folder_tokenizer(args.hf, cfg.model.tokenizer)
     trainer = _trainer(cfg)
     total = sum(1 for chunk in trainer.model for _ in chunk.parameters())
     with RunProgress(total, "parameters", fields=[]) as bar:
@@ -77,21 +77,6 @@ def _from_hf(args: argparse.Namespace) -> int:
         print(f"wrote {path}: Megatron checkpoint (step 0, fresh optimizer) of {args.hf}, loadable in any parallel "
               f"layout")
     return 0
-
-
-def _check_folder_tokenizer(folder: Path, configured: Optional[str]) -> None:
-    """A Hugging Face folder that carries a tokenizer was trained with it: the checkpoint written records
-    ``model.tokenizer``, so another one there would make every token id mean something else from the first step."""
-    from spade_mega.bridge import BridgeError
-    from spade_mega.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_identity
-
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return
-    theirs, ours = tokenizer_identity(str(folder.expanduser().absolute())), tokenizer_identity(configured)
-    if not same_tokenizer(theirs, ours):
-        raise BridgeError(f"{folder} holds the tokenizer {describe_tokenizer(theirs)}; model.tokenizer is "
-                          f"{describe_tokenizer(ours)}: their token ids mean different things. Set "
-                          f"model.tokenizer={folder}")
 
 
 def _rank() -> int:

@@ -43,7 +43,7 @@ def _eval(args: argparse.Namespace) -> int:
     from spade_mega.envs.sandbox import SandboxPool
     from spade_mega.evaluation.runner import Evaluator, selected
     from spade_mega.inference import build_engine
-    from spade_mega.tokenizer import load_tokenizer
+    from spade_mega.tokenizer import check_folder_tokenizer, load_tokenizer
 
     overrides = list(args.overrides) + ([f"inference.hf_weights={args.hf_weights}"] if args.hf_weights else [])
     cfg = load_config(args.config, overrides)
@@ -63,6 +63,7 @@ def _eval(args: argparse.Namespace) -> int:
         step = trainer.load(args.checkpoint)
         source: dict[str, Any] = {"checkpoint": str(Path(args.checkpoint).absolute()), "step": step}
     else:
+        check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)  # type: ignore[arg-type]
         source = {"hf_weights": str(Path(cfg.inference.hf_weights).absolute())}  # type: ignore[arg-type]
     rank = dist.get_rank() if dist.is_initialized() else 0
     parts: list[Any] = []  # rank 0's engine and sandbox pool, closed at the end

@@ -67,6 +67,7 @@ from spade_mega.selfplay.state import (
     regeneration_change,
 )
 from spade_mega.selfplay.transcripts import RolloutTranscript
+from spade_mega.tokenizer import check_folder_tokenizer
 
 log = logging.getLogger("spade_mega.selfplay")
 T = TypeVar("T")
@@ -445,6 +446,8 @@ class SelfPlay:
         setup_logging(cfg.logging)
         with _StopSignal() as stop:  # from the start: a time-limit warning while the trainer builds stops at rollout 1
             checkpoint = self._checkpoint_to_resume()
+            if checkpoint is None and cfg.inference.hf_weights is not None:  # before anything is built or written
+                check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)
             init_distributed(cfg.parallel)  # before the lock, so that every rank gets its error
             # rank 0 alone writes the run directory; a second trainer on it stops here, before the model is built
             lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
