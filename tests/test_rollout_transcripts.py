@@ -429,6 +429,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.multiproc
 def test_a_failed_write_at_a_checkpoint_stops_every_rank_naming_it(tmp_path: Path) -> None:
     """Rank 0 waits for the rollout's transcript before the checkpoint; its failure reaches the other ranks,
     which would otherwise wait for rank 0 in the checkpoint's barrier (over NCCL until the collective timeout)."""
