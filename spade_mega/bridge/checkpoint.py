@@ -97,9 +97,13 @@ def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[s
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    config = hf_config_dict(trainer.model_cfg)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(staging))
-    (staging / "config.json").write_text(json.dumps(hf_config_dict(trainer.model_cfg), indent=2) + "\n")
+        # where generate() and the servers stop: the run's end of turn (without it generate ran to max_new_tokens)
+        config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      bos_token_id=tokenizer.bos_token_id)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     _fsync_tree(staging)
     if folder.exists():
         folder.rmdir()

@@ -66,7 +66,7 @@ def test_convert_to_hf_reads_the_weights_alone_and_writes_the_tokenizer(saved: P
     """The export loads no optimizer state, so a run configured with the other optimizer kind (whose state would
     not load) exports too; a copy of the tokenizer elsewhere is the same tokenizer. The folder holds the tokenizer's
     files, which transformers (and so vLLM / SGLang) load as the run's tokenizer."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     proc = convert(saved, "to-hf", "-c", "run.yaml", "optimizer.distributed=false",
                    f"model.tokenizer={saved / 'byte_copy'}", "--checkpoint", str(saved / STEP1), "--out", "hf")
@@ -76,6 +76,11 @@ def test_convert_to_hf_reads_the_weights_alone_and_writes_the_tokenizer(saved: P
     assert tokenizer.encode("a+b=<|im_end|>") == byte_tokenizer().encode("a+b=<|im_end|>")
     assert tokenizer_identity(str(saved / "hf")) == {**tokenizer_identity(None), "name": str(saved / "hf")}
     assert (saved / "hf" / "config.json").is_file() and list((saved / "hf").glob("model-*.safetensors"))
+    # generate() stops where the run's completions end (the config had no eos: it ran to max_new_tokens)
+    hf_config = AutoConfig.from_pretrained(str(saved / "hf"))
+    assert (hf_config.eos_token_id, hf_config.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id) \
+        == (byte_tokenizer().eos_token_id, byte_tokenizer().pad_token_id)
+    assert GenerationConfig.from_model_config(hf_config).eos_token_id == tokenizer.eos_token_id
 
 
 def test_convert_with_another_tokenizer_is_refused_both_ways(saved: Path) -> None:
