@@ -50,11 +50,12 @@ def engine_class(revision: str | None) -> type:
         return HFEngine
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:spade_mega/inference/hf.py"],
                             capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="bench-engine-")) / "baseline_hf.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("spade_mega.inference._baseline_hf", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as folder:
+        path = Path(folder) / "baseline_hf.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("spade_mega.inference._baseline_hf", path)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module.HFEngine
 
 
