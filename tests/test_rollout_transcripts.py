@@ -4,6 +4,7 @@ that a crash while writing never tears a file, and `spade-mega rollouts` / the r
 from __future__ import annotations
 
 import gzip
+import html
 import json
 import os
 import shutil
@@ -466,3 +467,19 @@ def test_the_rollouts_command_prints_no_terminal_control_sequence_the_model_wrot
     assert "agent r1-env0-play0\\x1b[8m" in out
     assert main(["rollouts", str(tmp_path), "--json", "--role", "agent"]) == 0  # JSON as written: for programs
     assert json.loads(capsys.readouterr().out)["prompt"] == evil
+
+
+def test_the_report_section_carries_no_markup_from_a_transcript(tmp_path: Path) -> None:
+    """Every value a transcript file holds is shown escaped, model text and facts alike (a report is opened in a
+    browser: a program holding '</script><img onerror>' must stay text)."""
+    evil = "</script><img src=x onerror=alert(1)>"
+    write_rollout(tmp_path, 1, [
+        {"rollout": 1, "role": "agent", "kind": "episode", "id": evil, "skill": evil, "env_id": evil, "prompt": evil,
+         "turns": [{"reply": evil, "observation": evil, "reward": evil}], "trained": True, "advantage": 1.0},
+        {"rollout": 1, "role": "designer", "kind": "output", "id": "r1-s0", "program": evil, "hint": evil,
+         "reward_rollout": 1, "valid": evil},
+        {"rollout": 1, "role": "designer", "kind": "reward", "id": "r1-s0", "components": {evil: 1.0}, "reward": 0.5,
+         "trained": True, "advantage": 0.3}])
+    section = report_section(tmp_path)
+    assert "best designer output (rollout 1)" in section and f"valid {html.escape(evil)}" in section
+    assert "<img" not in section and "</script>" not in section

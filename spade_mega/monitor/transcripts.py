@@ -259,7 +259,7 @@ def report_section(run_dir: str | Path) -> str:
         else:
             text = (f"[reply]\n{record.get('reply')}" if record.get("program") is None else
                     f"[program]\n{record.get('program')}\n\n[hint]\n{record.get('hint')}")
-            facts += f", valid {record.get('valid')}" + "".join(
+            facts += f", valid {html.escape(str(record.get('valid')))}" + "".join(
                 f", {html.escape(k)} {v:.4g}" for k, v in (record.get("components") or {}).items())
         parts.append(f"<h3>{html.escape(title)}</h3><p>{facts}</p><pre>{html.escape(clip(text, REPORT_CHARS) or '')}"
                      "</pre>")
