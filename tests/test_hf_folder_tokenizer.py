@@ -5,6 +5,7 @@ is built or written, as convert from-hf refuses it. Real tokenizer folders, the 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,51 @@ def test_a_folder_with_the_same_tokenizer_or_none_passes(tmp_path: Path, foreign
     check_folder_tokenizer(bare, None)  # weights only: nothing to compare
     with pytest.raises(TokenizerError, match="their token ids mean different things"):
         check_folder_tokenizer(copy, str(foreign))
+
+
+IDENTITY = ("import sys; from spade_mega.tokenizer import tokenizer_identity; "
+            "print(tokenizer_identity(sys.argv[1])['sha256'])")
+
+
+def test_a_folder_tokenizer_keeps_its_identity_through_saves_orders_and_processes(tmp_path: Path) -> None:
+    """A Hugging Face tokenizer folder (added tokens, special and not) hashes the same after a save and reload (what
+    convert to-hf writes), with its JSON objects in another order, and in other processes (another str hash seed):
+    a resume or an export is never refused for a tokenizer that gives every id the same meaning. Its copy encodes
+    the same ids."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from spade_mega.tokenizer import load_tokenizer, tokenizer_identity
+
+    tok = byte_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    first, again, shuffled = tmp_path / "first", tmp_path / "again", tmp_path / "shuffled"
+    tok.save_pretrained(str(first))
+    load_tokenizer(str(first)).save_pretrained(str(again))  # as convert to-hf writes model.tokenizer's files
+    first_copy = AutoTokenizer.from_pretrained(str(again))
+    text = "<think>héllo 🎉</think><|tool|>{\"a\": 1}<|im_end|>"
+    assert first_copy.encode(text) == tok.encode(text) and first_copy.decode(tok.encode(text)) == text
+    shuffled.mkdir()
+    for path in first.iterdir():
+        data = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if path.name == "tokenizer.json":
+            data["model"]["vocab"] = dict(reversed(list(data["model"]["vocab"].items())))
+        if isinstance(data, dict):
+            data = dict(reversed(list(data.items())))
+        (shuffled / path.name).write_text(json.dumps(data) if data is not None else path.read_text())
+    digest = tokenizer_identity(str(first))["sha256"]
+    assert tokenizer_identity(str(first))["vocab_size"] == 262
+    assert {tokenizer_identity(str(p))["sha256"] for p in (again, shuffled)} == {digest}
+    seeds = {subprocess.run([sys.executable, "-c", IDENTITY, str(first)], capture_output=True, text=True, check=True,
+                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.strip() for seed in ("1", "2")}
+    assert seeds == {digest}
+    # the added tokens' order in tokenizer.json is no formatting: the tokenizers library numbers them by it
+    renumbered = tmp_path / "renumbered"
+    shutil.copytree(first, renumbered)
+    reordered = json.loads((first / "tokenizer.json").read_text())
+    reordered["added_tokens"].reverse()
+    (renumbered / "tokenizer.json").write_text(json.dumps(reordered))
+    assert AutoTokenizer.from_pretrained(str(renumbered)).encode("<think>") != tok.encode("<think>")
+    assert tokenizer_identity(str(renumbered))["sha256"] != digest
