@@ -273,6 +273,16 @@ def test_episode_reward() -> None:
         episode_reward([float("inf")], True, CFG)
 
 
+def test_an_episode_whose_finite_step_rewards_overflow_in_their_sum_is_clipped() -> None:
+    """A program may return any finite step reward; two of 1e308 overflow math.fsum (OverflowError, which stopped the
+    run from inside the rollout). The return is then beyond any clip bound; a sum that only overflowed on the way
+    is exact."""
+    assert episode_reward([1e308, 1e308], True, CFG) == 1.0
+    assert episode_reward([-1e308, -1e308, 0.5], True, CFG) == -1.0
+    assert episode_reward([1e308, 1e308, -1e308, -1e308, 0.25], True, CFG) == 0.25
+    assert episode_reward([1e308, 1e308], False, CFG) == 0.0
+
+
 def test_reference_recipe_rewards_and_rl_values() -> None:
     cfg = load_config(EXAMPLES / "qwen3_30b_a3b_games.yaml")
     r, rl = cfg.rewards, cfg.rl

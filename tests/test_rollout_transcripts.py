@@ -483,3 +483,21 @@ def test_the_report_section_carries_no_markup_from_a_transcript(tmp_path: Path) 
     section = report_section(tmp_path)
     assert "best designer output (rollout 1)" in section and f"valid {html.escape(evil)}" in section
     assert "<img" not in section and "</script>" not in section
+
+
+def test_an_episode_whose_return_overflows_is_recorded(tmp_path: Path) -> None:
+    """Two finite step rewards of 1e308 (a designer program's): the record's return is null (JSON has no inf), its
+    reward the clipped one the trainer uses, and the file is written (math.fsum raised OverflowError, in the run)."""
+    from spade_mega.curriculum.rewards import episode_reward
+
+    cfg = load_config(TINY, [])
+    tokenizer = byte_tokenizer()
+    env = ActiveEnv(library.get("grid_maze").program(), "library", 0, 1)
+    ep = _episode(env, tokenizer, False, 1e308)
+    ep.step_rewards.append(1e308)
+    ep.reward = episode_reward(ep.step_rewards, True, cfg.rewards)
+    transcript = RolloutTranscript(cfg, 1, tokenizer)
+    transcript.episodes([env], [ep])
+    assert transcript.write(tmp_path) is not None
+    [record] = read_rollout(tmp_path, 1)[1]
+    assert record["return"] is None and record["reward"] == cfg.rewards.agent_reward_max

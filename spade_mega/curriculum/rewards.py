@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 from spade_mega.config.schema import RewardsConfig
@@ -59,10 +60,24 @@ def episode_reward(step_rewards: Sequence[float], terminated: bool, cfg: Rewards
     An episode that did not terminate (cut by the turn budget) earns 0 under ``truncated_episode: zero``, the
     reference behaviour, so running out of turns is never better than failing.
     """
-    _check_finite(step_rewards, "step rewards")
     if not terminated and cfg.truncated_episode == "zero":
+        _check_finite(step_rewards, "step rewards")
         return 0.0
-    return min(cfg.agent_reward_max, max(cfg.agent_reward_min, math.fsum(step_rewards)))
+    return min(cfg.agent_reward_max, max(cfg.agent_reward_min, episode_return(step_rewards)))
+
+
+def episode_return(step_rewards: Sequence[float]) -> float:
+    """The sum of the step rewards, correctly rounded; +-inf where it leaves the float range. Each step reward a
+    program returns is finite, their sum need not be (two of 1e308): math.fsum raises OverflowError then."""
+    _check_finite(step_rewards, "step rewards")
+    try:
+        return math.fsum(step_rewards)
+    except OverflowError:  # a partial sum overflowed; the exact sum may still be a float
+        exact = sum(map(Fraction, step_rewards), Fraction(0))
+        try:
+            return float(exact)
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
 
 
 def won(reward: float, cfg: RewardsConfig) -> bool:

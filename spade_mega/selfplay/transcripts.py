@@ -5,7 +5,8 @@ Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
 
 - ``episode`` (role agent): an agent play, hint plays included; the decoded prompt, then per turn the model's reply
   (as the rollout decoded it, without the stop token),
-  the action sent to ``step()``, its step reward and the next observation; return (sum of step rewards), the training
+  the action sent to ``step()``, its step reward and the next observation; return (sum of step rewards, null where
+  it overflows a float), the training
   reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
   program broke are played but never trained on: advantage null).
 - ``output`` (role designer): a designer output at its regeneration rollout: decoded prompt, reply, parsed program
@@ -27,6 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from spade_mega.config.schema import SpadeConfig
+from spade_mega.curriculum.rewards import episode_return
 from spade_mega.monitor.transcripts import clip, transcript_path, write_rollout
 from spade_mega.rl.delayed import DesignerSample, ReleasedDesignerSample
 from spade_mega.rollout.chat import decode
@@ -111,7 +113,8 @@ class RolloutTranscript:
                 "terminated": ep.terminated, "truncated": ep.truncated,
                 "failure": ep.failure.value if ep.failure else None, "failure_detail": ep.failure_detail or None,
                 "malformed_actions": ep.malformed_actions, "finish_reasons": list(ep.finish_reasons),
-                "return": math.fsum(ep.step_rewards), "reward": ep.reward, "advantage": None, "trained": False,
+                "return": total if math.isfinite(total := episode_return(ep.step_rewards)) else None,
+                "reward": ep.reward, "advantage": None, "trained": False,
                 "tokens": _tokens(seq, prompt)}
             self.records.append(record)
             if ep.trainable:
