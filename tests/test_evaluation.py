@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 from fractions import Fraction
@@ -476,31 +475,6 @@ def test_an_evaluation_that_fails_loses_no_training(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
     assert train.returncode == 2 and "ran out of memory" in train.stderr.splitlines()[-1], train.stderr[-3000:]
     assert [p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").glob("step_*")] != []
-
-
-@pytest.mark.slow
-def test_a_run_stopping_on_the_time_limit_warning_skips_the_evaluation(tmp_path: Path) -> None:
-    """SIGUSR1 (SLURM's warning, a few minutes before the kill) saves and stops; an evaluation due at that rollout
-    would run into the kill (tens of minutes for a long-answer suite) and the job would never requeue, so it is
-    skipped, with a warning naming the command that scores the saved checkpoint."""
-    loop = [arg for arg in LOOP if not arg.startswith(("selfplay.num_rollouts", "eval."))]
-    proc = subprocess.Popen([str(SCRIPT), "train", str(TINY), f"run.output_dir={tmp_path}", *loop, *ISOLATION,
-                             "selfplay.num_rollouts=2", "eval.interval=1", "eval.before_train=true"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ONE_THREAD)
-    assert proc.stderr is not None
-    early = []
-    for line in proc.stderr:  # the actor's sandbox pool started: the stop handler is in place
-        early.append(line)
-        if "spade_mega.sandbox" in line:
-            proc.send_signal(signal.SIGUSR1)
-            break
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, ("".join(early) + stderr)[-4000:]
-    lines = (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
-    records = {r["step"]: r for r in map(json.loads, lines)}
-    assert sorted(records) == [0, 1] and "eval/arithmetic/accuracy" in records[0]
-    assert not any(key.startswith("eval/") for key in records[1])
-    assert "evaluation of rollout 1 skipped" in stderr and "spade-mega eval" in stderr
 
 
 def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,

@@ -17,8 +17,7 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
 4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
    saved together (state.py).
 5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync and that
-   rollout's checkpoint (an evaluation that fails loses no training; none when stopping on SIGUSR1), rank 0 scores
-   the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
+   rollout's checkpoint (an evaluation that fails loses no training), rank 0 scores the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
    (step 0 before training). Evaluation seeds its own sampling, so training goes on as without it.
 
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
@@ -510,14 +509,10 @@ class SelfPlay:
                     started = time.perf_counter()
                     self._save(trainer, actor, r)
                     values["time/checkpoint_s"] = time.perf_counter() - started
-                # after the save: an evaluation that fails (an engine out of memory on long answers) loses no training;
-                # none on a stop, whose warning leaves minutes before the kill (and the requeue)
+                # after the save: an evaluation that fails (an engine out of memory on long answers) or outlasts a
+                # time limit loses no training
                 if cfg.eval.interval and r % cfg.eval.interval == 0:
-                    if stopped:
-                        log.warning("SIGUSR1: evaluation of rollout %d skipped (the job is about to end); score its "
-                                    "checkpoint with spade-mega eval CONFIG --checkpoint %s", r, self.store.root)
-                    else:
-                        values.update(_from_rank0(lambda: actor.evaluate(), share=True))
+                    values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
                 metrics.log(r, values)
