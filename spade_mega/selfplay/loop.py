@@ -17,8 +17,9 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
 4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
    saved together (state.py).
 5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync and that
-   rollout's checkpoint (an evaluation that fails loses no training), rank 0 scores the engine on the held-out suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step
-   (step 0 before training). Evaluation seeds its own sampling, so training goes on as without it.
+   rollout's checkpoint (an evaluation that fails loses no training), rank 0 scores the engine on the held-out
+   suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step (step 0 before training).
+   Evaluation seeds its own sampling, so training goes on as without it.
 
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
 the rollout, and broadcasts each rollout's samples and metrics, so every rank trains on the same batch. Metrics are
