@@ -393,3 +393,13 @@ def test_context_limit_is_checked_against_a_hugging_face_config(engine, pool, to
     with pytest.raises(ConfigError, match=r"model.max_position_embeddings \(2048\)") as error:
         Rollout(cfg, engine, pool, PromptBuilder.from_config(cfg, tokenizer))
     assert error.value.path == "rollout.max_context_tokens" and "config.json" in error.value.message
+
+
+def test_an_episode_whose_finite_step_rewards_overflow_their_sum_is_played_to_its_end(engine, pool, tokenizer):
+    """Step rewards of 1e308 are finite, so the sandbox passes them; their sum is not a float. The episode's reward is
+    clipped to rewards.agent_reward_max (math.fsum raised OverflowError in the rollout, which ended the run)."""
+    huge = program(ENDLESS.replace("0.25, False", "1e308, self.turn == 2").replace("class Endless", "class Huge"))
+    rollout = make_rollout(engine, pool, tokenizer)
+    [ep] = rollout.play(plays_of(huge, 1)).episodes
+    assert ep.failure is None and ep.terminated and ep.step_rewards == [1e308, 1e308]
+    assert ep.reward == rollout.cfg.rewards.agent_reward_max and ep.trainable
