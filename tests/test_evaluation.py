@@ -467,7 +467,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_an_evaluation_that_fails_loses_no_training(tmp_path: Path) -> None:
     """The evaluation of a save rollout runs after its checkpoint: when it fails the run stops (exit 2, naming the
-    error) with that rollout's training saved (the evaluation ran before the save, which then never happened)."""
+    error) with that rollout's training saved (the evaluation ran before the save, which then never happened) and
+    its metrics logged."""
     loop = [arg for arg in LOOP if not arg.startswith(("selfplay.num_rollouts", "eval."))]
     train = subprocess.run([sys.executable, "-c", FAILING_EVAL, "train", str(TINY), f"run.output_dir={tmp_path}",
                             *loop, *ISOLATION, "selfplay.num_rollouts=1", "eval.interval=1",
@@ -475,6 +476,9 @@ def test_an_evaluation_that_fails_loses_no_training(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=600, cwd=ROOT, env=ONE_THREAD)
     assert train.returncode == 2 and "ran out of memory" in train.stderr.splitlines()[-1], train.stderr[-3000:]
     assert [p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").glob("step_*")] != []
+    # and the rollout's own metrics are logged (the resumed run starts after it)
+    [record] = map(json.loads, (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines())
+    assert record["step"] == 1 and "train/loss" in record and not any(k.startswith("eval/") for k in record)
 
 
 def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,

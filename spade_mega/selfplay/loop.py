@@ -511,8 +511,9 @@ class SelfPlay:
                     self._save(trainer, actor, r)
                     values["time/checkpoint_s"] = time.perf_counter() - started
                 # after the save: an evaluation that fails (an engine out of memory on long answers) or outlasts a
-                # time limit loses no training
+                # time limit loses no training, and the rollout's metrics so far are written even then (on close)
                 if cfg.eval.interval and r % cfg.eval.interval == 0:
+                    metrics.log(r, values, commit=False)
                     values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
