@@ -60,7 +60,7 @@ def _eval(args: argparse.Namespace) -> int:
         from spade_mega.megatron import Trainer
 
         trainer = Trainer(cfg)
-        step = trainer.load(args.checkpoint)
+        step = trainer.load(args.checkpoint, weights_only=True)  # no Adam state: any optimizer kind or layout
         source: dict[str, Any] = {"checkpoint": str(Path(args.checkpoint).absolute()), "step": step}
     else:
         check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ own tokenizer must be the run's (convert from-hf). Real checkpoints of a real Me
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -102,3 +103,14 @@ def test_convert_with_another_tokenizer_is_refused_both_ways(saved: Path) -> Non
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"{foreign} holds the tokenizer" in proc.stderr and "260 tokens" in proc.stderr
     assert f"Set model.tokenizer={foreign}" in proc.stderr and not (saved / "from_foreign").exists()
+
+
+def test_eval_of_a_checkpoint_reads_the_weights_alone(saved: Path) -> None:
+    """spade-mega eval scores the weights: a run configured with the other optimizer kind (whose Adam state would
+    not load; it was refused with 'set it back to resume') evaluates the checkpoint, as convert to-hf exports it."""
+    suite = "eval.suites=[{name: arithmetic, max_items: 2, temperature: 0.0, max_response_tokens: 4}]"
+    proc = subprocess.run([str(SCRIPT), "eval", "run.yaml", "optimizer.distributed=false", suite,
+                           "--checkpoint", str(saved / STEP1), "-o", "eval.json"],
+                          capture_output=True, text=True, env=worker_env(), timeout=300, cwd=saved)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((saved / "eval.json").read_text())["step"] == 1
