@@ -220,6 +220,39 @@ def test_memory_grows_with_batch_times_length_and_the_cache_is_written_in_place(
         assert generation.output_ids == tuple(argmax.tolist())
 
 
+def test_the_cache_follows_the_tokens_generated_not_max_new_tokens(cfg, monkeypatch):
+    """max_new_tokens is a cap (an evaluation's 30k tokens, where most answers are short), not what a batch needs:
+    the cache must not be sized for it before the first step (prompt + max_new_tokens columns for every row: 64 rows
+    x 33k columns of a 0.6B model is 240 GB where the engine before held what the rows had generated). Here one row
+    stops at its first token under a 4,000-token cap: the memory behind the keys SDPA reads stays within twice what
+    the rows wrote, and the rows that run past the first allocation (one of them leaving later) keep their
+    log-probs."""
+    engine = make_engine(cfg.model)
+    sdpa, storages = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        storages.append(key.untyped_storage().nbytes())
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = {n: tuple(torch.randint(0, EOS, (n,), generator=gen).tolist()) for n in (40, 9, 30)}
+    reqs = [GenerationRequest(prompt[40], SamplingParams(max_new_tokens=4000, temperature=1.0, seed=1,
+                                                         stop_token_ids=tuple(range(cfg.model.vocab_size)))),
+            GenerationRequest(prompt[9], SamplingParams(max_new_tokens=100, temperature=1.0, seed=2)),
+            GenerationRequest(prompt[30], SamplingParams(max_new_tokens=60, temperature=0.0))]
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    generations = engine.generate(reqs)
+    monkeypatch.undo()
+    assert [(len(g.output_ids), g.finish_reason) for g in generations] == [(1, "stop"), (100, "length"),
+                                                                           (60, "length")]
+    written = len(reqs) * cfg.model.num_query_groups * (40 + 100) * cfg.model.kv_channels * 4  # bytes, float32
+    assert max(storages) <= 2 * written, (max(storages), written)
+    for request, generation in zip(reqs, generations):
+        expected, argmax = full_forward_logprobs(engine.model, generation, request.sampling.temperature or 1.0)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=1e-5, rtol=0)
+    assert generations[2].output_ids == tuple(argmax.tolist())
+
+
 def saved_weights(model) -> dict[str, torch.Tensor]:
     """``model``'s weights as transformers writes a checkpoint (one tensor per expert projection)."""
     with tempfile.TemporaryDirectory() as folder:

@@ -66,8 +66,10 @@ class HFEngine:
 
     ``eos_token_id`` ends a completion (the run tokenizer's ``<|im_end|>``), ``pad_token_id`` fills padding (never
     attended to). Requests are sorted by prompt length and run in chunks of ``max_batch_size``; a chunk's prompts are
-    forwarded ``prefill_tokens`` (padded) tokens at a time at most, and its cache is allocated once, for the longest
-    prompt plus the most new tokens, so memory grows with batch x length, never with length squared. A request
+    forwarded in buckets of ``prefill_tokens`` (padded) tokens at most (a longer prompt goes alone, whole), and its
+    cache starts at twice the longest prompt and doubles when full (up to the prompt plus the most new tokens), with
+    the rows still running: memory grows with batch x the tokens written, never with length squared nor with a
+    ``max_new_tokens`` cap the completions do not reach. A request
     without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible. Each
     request samples from its own generator, so in float32 its completion does not depend on the batch; in bfloat16
     the logits do, slightly (kernels are not batch-invariant), so a seeded sample can differ between batches."""
@@ -222,21 +224,29 @@ class HFEngine:
         """Prefill in buckets, then decode every row in lockstep over one preallocated cache.
 
         Each prompt's keys and values sit right-aligned before column ``width`` (the longest prompt), so every row
-        writes its next token into the same column; the columns left of a shorter prompt are masked out."""
+        writes its next token into the same column; the columns left of a shorter prompt are masked out. The cache
+        is allocated for ``2 * width`` columns (at most ``width`` + the most new tokens) and reallocated at twice the
+        size, for the rows still running, when it is full: a cap such as an evaluation's 30k new tokens is never
+        allocated for rows that stop long before it, and the copies add up to less than the final size."""
         model, device = self._live_model(), self.device
         n = len(requests)
         lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)
         width = int(lengths.max())
-        cache = _PreallocatedCache(model.config, n, width + max(r.sampling.max_new_tokens for r in requests),
+        sampling = [r.sampling for r in requests]
+        cache = _PreallocatedCache(model.config, n, min(2 * width, width + max(s.max_new_tokens for s in sampling)),
                                    dtype=self.dtype, device=device)
         logits = self._prefill(model, requests, cache, width)
-        # SDPA's boolean mask, built once (True where a row has a token): transformers takes a 4-D mask as it is,
-        # where from a 2-D one it would rebuild [rows, 1, 1, length] at every step
-        columns = torch.arange(cache.columns, device=device)
-        mask = (columns[None] >= (width - lengths)[:, None])[:, None, None, :]
+        starts = width - lengths  # each row's first column
+
+        def attention_mask() -> torch.Tensor:
+            """SDPA's boolean mask over the cache's columns, built once per allocation (True where a row has a
+            token): transformers takes a 4-D mask as it is, where from a 2-D one it would rebuild [rows, 1, 1,
+            length] at every step."""
+            return (torch.arange(cache.columns, device=device)[None] >= starts[:, None])[:, None, None, :]
+
+        mask = attention_mask()
         positions = lengths - 1  # each row's own position, whatever its padding
 
-        sampling = [r.sampling for r in requests]
         temperature = torch.tensor([s.temperature for s in sampling], dtype=torch.float32, device=device)
         top_p = torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=device)
         stops = [frozenset((self.eos_token_id, *s.stop_token_ids)) for s in sampling]
@@ -266,9 +276,12 @@ class HFEngine:
                 index = torch.tensor(keep, device=device)
                 cache.keep_rows(index)
                 mask[:len(keep)] = mask[index]
-                positions, tokens = positions[index], tokens[index]
+                positions, tokens, starts = positions[index], tokens[index], starts[index]
                 temperature, top_p = temperature[index], top_p[index]
                 live = [live[row] for row in keep]
+            if cache.length == cache.columns:  # full: twice the columns, for the rows still running
+                cache.reallocate(min(2 * cache.columns, width + max(sampling[i].max_new_tokens for i in live)))
+                mask = attention_mask()
             positions = positions + 1
             out = model(input_ids=tokens[:, None], attention_mask=mask[:len(live), ..., :cache.length + 1],
                         position_ids=positions[:, None], cache=cache, use_cache=True)
@@ -315,9 +328,9 @@ class HFEngine:
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """One attention layer's keys and values in buffers allocated once per batch and written in place: a decode step
-    writes one column (DynamicCache concatenates, copying the layer's whole cache at every step) and attention reads
-    a view of the columns filled so far."""
+    """One attention layer's keys and values in preallocated buffers written in place: a decode step writes one
+    column (DynamicCache concatenates, copying the layer's whole cache at every step) and attention reads a view of
+    the columns filled so far."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
@@ -342,8 +355,9 @@ class _PreallocatedLayer(DynamicLayer):
 
 
 class _PreallocatedCache(Cache):
-    """The KV cache of one batch: per layer, keys and values [rows, kv heads, ``columns``, head dim], zeroed once (a
-    masked-out column must hold finite numbers: NaN times a zero attention weight is NaN) and never reallocated."""
+    """The KV cache of one batch: per layer, keys and values [rows, kv heads, ``columns``, head dim], zeroed when
+    allocated (a masked-out column must hold finite numbers: NaN times a zero attention weight is NaN) and
+    reallocated only when full (:meth:`reallocate`)."""
 
     def __init__(self, config: Any, rows: int, columns: int, *, dtype: torch.dtype, device: torch.device) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -374,6 +388,18 @@ class _PreallocatedCache(Cache):
             layer.buffers = tuple(buffer[:len(index)] for buffer in layer.buffers)
             layer.buffers[0][:, :, :layer.length] = keys
             layer.buffers[1][:, :, :layer.length] = values
+
+    def reallocate(self, columns: int) -> None:
+        """New buffers of ``columns`` columns for the rows kept so far, their filled columns copied; the old ones
+        are released layer by layer."""
+        for layer in self.layers:
+            old = layer.buffers
+            layer.buffers = tuple(torch.zeros((*buffer.shape[:2], columns, buffer.shape[3]), dtype=buffer.dtype,
+                                              device=buffer.device) for buffer in old)
+            for new, buffer in zip(layer.buffers, old):
+                new[:, :, :layer.length].copy_(buffer[:, :, :layer.length])
+            layer.keys, layer.values = (buffer[:, :, :layer.length] for buffer in layer.buffers)  # off the old ones
+        self.columns = columns
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
