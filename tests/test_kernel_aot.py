@@ -39,3 +39,17 @@ def test_refuses_to_run_under_the_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-m", "spade_mega.kernels.aot"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
+
+
+def test_every_kernel_of_every_op_has_a_compile_spec() -> None:
+    """The compile above covers what ``aot_specs()`` lists, and checks only that each op lists something: a kernel
+    added to an op (``_<stage>_kernel``, what its dispatcher launches) without a spec would never be compiled, its
+    spills never seen. Each must be some spec's kernel (the device helpers they call compile with them)."""
+    import importlib
+
+    for op in OPS:
+        module = importlib.import_module(op)
+        kernels = {name: value for name, value in vars(module).items() if name.endswith("_kernel")}
+        assert kernels, op
+        compiled = [spec.kernel for spec in module.aot_specs()]
+        assert [name for name, kernel in kernels.items() if not any(kernel is k for k in compiled)] == [], op
