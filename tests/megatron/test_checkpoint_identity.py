@@ -114,3 +114,16 @@ def test_eval_of_a_checkpoint_reads_the_weights_alone(saved: Path) -> None:
                           capture_output=True, text=True, env=worker_env(), timeout=300, cwd=saved)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((saved / "eval.json").read_text())["step"] == 1
+
+
+def test_a_checkpoint_saved_before_tokenizers_were_recorded_still_converts(saved: Path) -> None:
+    """A manifest without the tokenizer (written before d9171e6) is taken as model.tokenizer's, said once."""
+    old = saved / "old" / "step_00000001"
+    shutil.copytree(saved / STEP1, old)
+    manifest = json.loads((old / "spade_checkpoint.json").read_text())
+    del manifest["tokenizer"]
+    (old / "spade_checkpoint.json").write_text(json.dumps(manifest))
+    proc = convert(saved, "to-hf", "-c", "run.yaml", "--checkpoint", str(old), "--out", "hf_old")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not record its tokenizer; model.tokenizer is assumed" in proc.stderr
+    assert (saved / "hf_old" / "tokenizer.json").is_file()
