@@ -106,6 +106,9 @@ CHOICE = [
     ("Answer: A\n\nWhy not the others: option B is wrong, and choice C: too large.", "C", False),
     ("Option A is right, option B is wrong.", "B", False),  # a mention of an option is no answer
     ("The answer I reached after checking is B.", "I", False),  # the pronoun, not option I
+    ("The answer is A or B.", "A", False),  # a hedge names no answer
+    ("Answer: (A) and (C)", "A", False),
+    ("Answer: C, because the others fail.", "C", True),
 ]
 
 

@@ -12,8 +12,8 @@ completion and *compares* it with the reference answer.
   two different units never match (``5\\text{ cm}`` is not ``5\\text{ m}``). A reference holding a ``\\boxed{}`` (a
   worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
-  is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer), or a reply
-  that is just the letter (``(C)``); compared with the reference letter.
+  is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
+  hedge, ``A or B``), or a reply that is just the letter (``(C)``); compared with the reference letter.
 - ``exact``: the boxed or ``Answer:`` answer (else the whole reply), normalised, compared as text.
 
 A completion without an extractable answer scores 0, like a wrong one. The fourth scorer, ``code``, runs programs
@@ -34,9 +34,11 @@ _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
 
 def _choice_phrase(keywords: str) -> re.Pattern[str]:
     """``<keyword> is|: [option] [**(]X[)**]``. The separator is required ("the answer I found" names no option I);
-    the letter is upper case even where the words are not: "the answer is a number" names no option."""
-    return re.compile(rf"(?:{keywords})\s*(?:is\s*:?|:|：)\s*(?:option\s*)?[*(\s]*((?-i:[A-J]))[)*]*(?![A-Za-z])",
-                      re.IGNORECASE)
+    the letter is upper case even where the words are not: "the answer is a number" names no option; a hedge
+    ("A or B", "(A) and (C)") names none."""
+    letter = r"[*(\s]*((?-i:[A-J]))[)*]*(?![A-Za-z])"
+    hedge = r"(?![)*]*\s*(?:or|and|/|,)\s*[*(]*(?-i:[A-J])(?![A-Za-z]))"
+    return re.compile(rf"(?:{keywords})\s*(?:is\s*:?|:|：)\s*(?:option\s*)?{letter}{hedge}", re.IGNORECASE)
 
 
 # an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
