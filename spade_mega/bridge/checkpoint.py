@@ -73,8 +73,8 @@ def save_hf(trainer: "Trainer", folder: str | Path, *, bucket_mb: Optional[float
         if dist.get_rank() == SOURCE and error is None:
             try:
                 _finish(trainer, staging, folder, files, total, tokenizer)
-            except OSError as exc:
-                error = f"cannot write the checkpoint {folder}: {exc.strerror or exc}"
+            except Exception as exc:  # also a tokenizer transformers cannot save (TypeError): every rank hears it
+                error = f"cannot write the checkpoint {folder}: {getattr(exc, 'strerror', None) or exc}"
     finally:
         if dist.get_rank() == SOURCE and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

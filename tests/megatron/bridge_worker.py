@@ -204,6 +204,23 @@ def save_with_vanishing_folder(folder: Path, trainer) -> str:
     return "saved"
 
 
+def save_with_unsavable_tokenizer(folder: Path, trainer) -> str:
+    """save_hf given, on rank 0, a tokenizer that transformers cannot save (an init argument JSON cannot write, as
+    some remote-code tokenizers hold: TypeError, not OSError); returns what this rank raised."""
+    from spade_mega.bridge import save_hf
+    from spade_mega.tokenizer import byte_tokenizer
+
+    tokenizer = None
+    if rank0():
+        tokenizer = byte_tokenizer()
+        tokenizer.init_kwargs["processor_class"] = object()
+    try:
+        save_hf(trainer, folder, bucket_mb=BUCKET_MB, tokenizer=tokenizer)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
 def scenario_layouts(args) -> None:
     """Per layout: load_hf, logits, export; then sync_weights into a real in-process HFEngine on rank 0. The first
     layout first loads a checkpoint of another architecture and syncs into an engine of another architecture (dense),
@@ -242,6 +259,7 @@ def scenario_layouts(args) -> None:
             if rank0():
                 result["engine_version_after_export_refused"] = engine.weight_version
             result["write_failed"] = save_with_vanishing_folder(args.out / "vanishing", trainer)
+            result["tokenizer_failed"] = save_with_unsavable_tokenizer(args.out / "untokenized", trainer)
         stats = sync_weights(trainer, engine, version=7, bucket_mb=0.1)
         result["sync"] = {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets}
         if rank0():
@@ -249,7 +267,8 @@ def scenario_layouts(args) -> None:
             torch.save(result, args.out / f"{name}.pt")
         elif i == 0:
             (args.out / f"{name}_refused_rank{torch.distributed.get_rank()}.json").write_text(
-                json.dumps({k: result[k] for k in ("refused", "load_refused", "export_refused", "write_failed")}))
+                json.dumps({k: result[k] for k in ("refused", "load_refused", "export_refused", "write_failed",
+                                                  "tokenizer_failed")}))
 
 
 def main() -> None:

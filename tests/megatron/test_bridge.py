@@ -179,6 +179,20 @@ def test_a_shard_that_cannot_be_written_fails_every_rank_by_name(layouts: Path) 
     assert not folder.exists() and not list(layouts.glob(".vanishing.partial-*"))
 
 
+def test_a_tokenizer_that_cannot_be_saved_fails_every_rank_by_name(layouts: Path) -> None:
+    """The tokenizer's files are written on rank 0 after the shards; transformers raises TypeError for one it cannot
+    save. Rank 0 raised it alone and the other ranks waited for its verdict (a hang over NCCL); every rank now raises
+    the checkpoint's error, with nothing left under the name."""
+    first = list(LAYOUTS)[0]
+    folder = layouts / "untokenized"
+    on_rank0 = torch.load(layouts / f"{first}.pt")["tokenizer_failed"]
+    on_rank1 = json.loads((layouts / f"{first}_refused_rank1.json").read_text())["tokenizer_failed"]
+    assert on_rank0.startswith(f"BridgeError: cannot write the checkpoint {folder}: "), on_rank0
+    assert "not JSON serializable" in on_rank0
+    assert on_rank1 == on_rank0.replace("BridgeError: ", "BridgeError: rank 0: ", 1)
+    assert not folder.exists() and not list(layouts.glob(".untokenized.partial-*"))
+
+
 def test_a_checkpoint_of_another_architecture_is_refused_on_every_rank(layouts: Path) -> None:
     first = list(LAYOUTS)[0]
     for message in (torch.load(layouts / f"{first}.pt")["load_refused"],
