@@ -90,3 +90,25 @@ def test_every_rank_of_a_job_on_a_run_directory_in_use_fails_naming_it(tmp_path:
     last = errors[1].strip().splitlines()[-1]
     assert "rank 0 failed, so rank 1 stops too: RunDirInUseError" in last and f"pid {holder.pid}" in last, last
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
+
+
+FULL_DISK = """import resource, signal, sys
+from spade_mega.selfplay.lock import RunDirLock
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+lock = RunDirLock(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+lock.close()
+RunDirLock(sys.argv[1]).close()  # released: nothing of the first attempt holds it
+print("OK")
+"""
+
+
+def test_a_lock_whose_holder_record_cannot_be_written_still_holds_and_releases(tmp_path: Path) -> None:
+    """The holder's record is informative: a file system that refuses the write (full, a quota) warns and the lock
+    holds; the descriptor was left open, holding the lock, with a raw OSError."""
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+    assert "cannot write the lock holder's record" in proc.stderr, proc.stderr[-3000:]

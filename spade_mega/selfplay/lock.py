@@ -63,11 +63,15 @@ class RunDirLock:
                 f"{self.path.parent} is in use by another trainer ({holder}; lock {self.path}): two runs would "
                 "write one memory, its checkpoints and metrics. Stop that run, or give this one another run.name "
                 "(or run.output_dir)") from None
-        os.ftruncate(fd, 0)
+        self._fd = fd
         record = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job": os.environ.get("SLURM_JOB_ID"),
                   "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
-        self._fd = fd
+        try:  # the record only informs a refused trainer; the lock holds without it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
+        except OSError as exc:
+            log.warning("%s: cannot write the lock holder's record (%s); the run directory is locked all the same",
+                        self.path, exc.strerror or exc)
 
     def close(self) -> None:
         """Release the lock (the file stays)."""
