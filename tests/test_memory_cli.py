@@ -125,3 +125,21 @@ def test_export_never_overwrites_a_database(run_dir: Path, tmp_path: Path, capsy
         trainer.propose(EnvProgram(SOURCE, "a later hint", "logic"))
     with EnvMemory(db, create=False) as mem:
         assert len(mem) == 4
+
+
+def test_a_run_saved_with_a_since_removed_key_is_still_inspected(run_dir: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """A run from before a key was removed (rewards.solve_threshold) keeps its config.yaml: the memory commands read
+    only curriculum.memory from it, so its memory stays readable; a bad memory path is still named."""
+    import yaml
+
+    config = run_dir / "config.yaml"
+    saved = yaml.safe_load(config.read_text())
+    saved["rewards"]["solve_threshold"] = 0.5
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert main(["memory", "stats", "--run", str(run_dir)]) == 0
+    assert "environments  3 (3 proposals" in capsys.readouterr().out
+    saved["curriculum"]["memory"]["path"] = ""
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert main(["memory", "stats", "--run", str(run_dir)]) == 2
+    assert "curriculum.memory.path" in capsys.readouterr().err

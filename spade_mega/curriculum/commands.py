@@ -15,15 +15,25 @@ if TYPE_CHECKING:  # imported by the handlers: registering the command must not 
 
 
 def memory_path(target: str) -> Path:
-    """A memory database file, or a run directory (its config.yaml names the database, default memory.sqlite)."""
+    """A memory database file, or a run directory (its config.yaml names the database, default memory.sqlite).
+
+    Only ``curriculum.memory`` of the saved config is read and checked: a run saved before a key was removed or
+    renamed (which the full config now refuses) must keep its memory inspectable."""
     path = Path(target)
     if not path.is_dir():
         return path
     config = path / "config.yaml"
     if config.is_file():
-        from spade_mega.config.loader import load_config
+        from spade_mega.config.loader import build, load_raw
+        from spade_mega.config.errors import ConfigError
+        from spade_mega.config.schema import CurriculumConfig
 
-        return path / load_config(config).curriculum.memory.path
+        curriculum = load_raw(config).get("curriculum") or {}
+        if not isinstance(curriculum, dict):
+            raise ConfigError(f"{config}: curriculum", "must be a mapping of keys")
+        memory = build(CurriculumConfig, {"memory": curriculum.get("memory") or {}}, "curriculum").memory
+        memory.check()
+        return path / memory.path
     return path / "memory.sqlite"
 
 
