@@ -90,3 +90,20 @@ def test_episode_runner_caps_steps_and_records_the_transcript(pool: SandboxPool)
     assert text.endswith("[episode terminated, return +1.000]")
     record = json.loads(json.dumps(full.to_dict()))
     assert record["episode_return"] == pytest.approx(1.0) and len(record["turns"]) == len(full.turns)
+
+
+def test_an_episode_whose_finite_rewards_sum_past_the_float_range_is_recorded(pool: SandboxPool) -> None:
+    """Each step reward is finite, the sum of 1e308 twice is not: the return is +inf (math.fsum raised), the sum
+    that comes back into range is exact, and the record is strict JSON (null where the return is not finite)."""
+    source = ("class Overflow:\n    max_turns = 3\n    def reset(self, seed):\n        self.t = 0\n"
+              "        return 'go'\n    def step(self, action):\n        self.t += 1\n"
+              "        reward = -1e308 if action == 'down' else 1e308\n"
+              "        return 'o', reward, self.t == 3, False, {}\n")
+    with pool.open(EnvProgram(source, "any action", "logic")) as env:
+        over = play_episode(env, lambda observation: "up", seed=0, max_steps=2)
+        actions = iter(["up", "up", "down"])
+        back = play_episode(env, lambda observation: next(actions), seed=0)
+    assert over.capped and over.episode_return == float("inf")
+    assert over.transcript().endswith("[episode truncated, return +inf]")
+    assert json.loads(json.dumps(over.to_dict(), allow_nan=False))["episode_return"] is None
+    assert back.terminated and back.episode_return == 1e308 and back.to_dict()["episode_return"] == 1e308

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 from spade_mega.config.schema import RewardsConfig
+from spade_mega.envs.episode import episode_return  # the one sum of step rewards (the episode runner's too)
 from spade_mega.errors import SpadeError
 
 Failure = Literal["invalid_program", "step_timeout"]
@@ -64,20 +64,6 @@ def episode_reward(step_rewards: Sequence[float], terminated: bool, cfg: Rewards
         _check_finite(step_rewards, "step rewards")
         return 0.0
     return min(cfg.agent_reward_max, max(cfg.agent_reward_min, episode_return(step_rewards)))
-
-
-def episode_return(step_rewards: Sequence[float]) -> float:
-    """The sum of the step rewards, correctly rounded; +-inf where it leaves the float range. Each step reward a
-    program returns is finite, their sum need not be (two of 1e308): math.fsum raises OverflowError then."""
-    _check_finite(step_rewards, "step rewards")
-    try:
-        return math.fsum(step_rewards)
-    except OverflowError:  # a partial sum overflowed; the exact sum may still be a float
-        exact = sum(map(Fraction, step_rewards), Fraction(0))
-        try:
-            return float(exact)
-        except OverflowError:
-            return math.inf if exact > 0 else -math.inf
 
 
 def won(reward: float, cfg: RewardsConfig) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from fractions import Fraction
+from typing import Any, Callable, Protocol, Sequence
 
 Policy = Callable[[str], str]
 """observation -> action; one instance per episode, so a policy may keep memory of what it has seen."""
@@ -20,6 +21,22 @@ class Steppable(Protocol):
     def reset(self, seed: int) -> str: ...
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+
+
+def episode_return(step_rewards: Sequence[float]) -> float:
+    """The sum of the step rewards, correctly rounded; +-inf where it leaves the float range. Each step reward a
+    program returns is finite, their sum need not be (two of 1e308): math.fsum raises OverflowError then."""
+    for reward in step_rewards:
+        if not math.isfinite(reward):
+            raise ValueError(f"step rewards must be finite floats, got {reward!r}")
+    try:
+        return math.fsum(step_rewards)
+    except OverflowError:  # a partial sum overflowed; the exact sum may still be a float
+        exact = sum(map(Fraction, step_rewards), Fraction(0))
+        try:
+            return float(exact)
+        except OverflowError:
+            return math.inf if exact > 0 else -math.inf
 
 
 @dataclass
@@ -43,7 +60,7 @@ class Episode:
 
     @property
     def episode_return(self) -> float:
-        return math.fsum(turn.reward for turn in self.turns)
+        return episode_return([turn.reward for turn in self.turns])
 
     @property
     def terminated(self) -> bool:
@@ -66,7 +83,7 @@ class Episode:
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "first_observation": self.first_observation,
                 "turns": [asdict(turn) for turn in self.turns], "capped": self.capped,
-                "episode_return": self.episode_return}
+                "episode_return": total if math.isfinite(total := self.episode_return) else None}  # JSON has no inf
 
 
 def play_episode(env: Steppable, policy: Policy, seed: int, max_steps: int = 256) -> Episode:
