@@ -166,31 +166,24 @@ def test_an_export_that_cannot_start_fails_every_rank_before_the_engine_sees_it(
     assert result["engine_version"] == 7  # and the same ranks synced afterwards
 
 
-def test_a_shard_that_cannot_be_written_fails_every_rank_by_name(layouts: Path) -> None:
-    """safetensors reports a failed write as its own error type: rank 0 must still drain the transfer (the other
-    ranks are sending) and every rank raise the checkpoint's error, with nothing left under the name."""
+@pytest.mark.parametrize("case, folder_name, cause", [
+    ("write_failed", "vanishing", "No such file or directory"),  # safetensors' own error type for a failed write
+    ("tokenizer_failed", "untokenized", "not JSON serializable"),  # transformers' TypeError, written after the shards
+])
+def test_a_checkpoint_that_cannot_be_written_fails_every_rank_by_name(layouts: Path, case: str, folder_name: str,
+                                                                      cause: str) -> None:
+    """A shard safetensors cannot write, or a tokenizer transformers cannot save (rank 0 alone writes it, after the
+    shards): rank 0 must still drain the transfer (the other ranks are sending) and every rank raise the checkpoint's
+    error (rank 0 raised it alone and the others waited for its verdict: a hang over NCCL), with nothing left under
+    the name."""
     first = list(LAYOUTS)[0]
-    folder = layouts / "vanishing"
-    on_rank0 = torch.load(layouts / f"{first}.pt")["write_failed"]
-    on_rank1 = json.loads((layouts / f"{first}_refused_rank1.json").read_text())["write_failed"]
+    folder = layouts / folder_name
+    on_rank0 = torch.load(layouts / f"{first}.pt")[case]
+    on_rank1 = json.loads((layouts / f"{first}_refused_rank1.json").read_text())[case]
     assert on_rank0.startswith(f"BridgeError: cannot write the checkpoint {folder}: "), on_rank0
-    assert "No such file or directory" in on_rank0
+    assert cause in on_rank0
     assert on_rank1 == on_rank0.replace("BridgeError: ", "BridgeError: rank 0: ", 1)
-    assert not folder.exists() and not list(layouts.glob(".vanishing.partial-*"))
-
-
-def test_a_tokenizer_that_cannot_be_saved_fails_every_rank_by_name(layouts: Path) -> None:
-    """The tokenizer's files are written on rank 0 after the shards; transformers raises TypeError for one it cannot
-    save. Rank 0 raised it alone and the other ranks waited for its verdict (a hang over NCCL); every rank now raises
-    the checkpoint's error, with nothing left under the name."""
-    first = list(LAYOUTS)[0]
-    folder = layouts / "untokenized"
-    on_rank0 = torch.load(layouts / f"{first}.pt")["tokenizer_failed"]
-    on_rank1 = json.loads((layouts / f"{first}_refused_rank1.json").read_text())["tokenizer_failed"]
-    assert on_rank0.startswith(f"BridgeError: cannot write the checkpoint {folder}: "), on_rank0
-    assert "not JSON serializable" in on_rank0
-    assert on_rank1 == on_rank0.replace("BridgeError: ", "BridgeError: rank 0: ", 1)
-    assert not folder.exists() and not list(layouts.glob(".untokenized.partial-*"))
+    assert not folder.exists() and not list(layouts.glob(f".{folder_name}.partial-*"))
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_on_every_rank(layouts: Path) -> None:
