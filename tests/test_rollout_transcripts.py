@@ -191,6 +191,26 @@ def test_a_designer_output_reads_beside_the_reward_a_later_rollout_released(tmp_
     assert "prompt" not in alone
 
 
+def test_the_report_says_a_designer_reward_is_pending_and_shows_a_lone_episode_once(tmp_path: Path) -> None:
+    """Right after a regeneration no output has its (delayed) reward: none is 'best'. One trained episode is both the
+    highest and the lowest: it is shown once."""
+    output = {"role": "designer", "kind": "output", "rollout": 1, "reward_rollout": 3, "program": "class Env: ...",
+              "valid": True, "trained": False}
+    episode = {"rollout": 1, "role": "agent", "kind": "episode", "advantage": 0.5, "trained": True, "group": "env0",
+               "env_id": "abc", "prompt": "play", "turns": []}
+    write_rollout(tmp_path, 1, [{**output, "id": "r1-s0"}, {**output, "id": "r1-s1"},
+                                {**episode, "id": "r1-env0-play0"}])
+    section = report_section(tmp_path)
+    assert "best designer output" not in section and "designer output, reward pending (rollout 1)" in section
+    assert section.count("id r1-env0-play0") == 1 and "advantage" not in section.split("<h3>")[1].split("</h3>")[0]
+    write_rollout(tmp_path, 2, [{**output, "rollout": 2, "id": "r2-s0", "reward": 0.25, "advantage": 1.0},
+                                {**episode, "rollout": 2, "id": "r2-env0-play0"},
+                                {**episode, "rollout": 2, "id": "r2-env0-play1", "advantage": -0.5}])
+    section = report_section(tmp_path)
+    assert "best designer output (rollout 2)" in section and "highest-advantage agent episode (rollout 2)" in section
+    assert "lowest-advantage agent episode (rollout 2)" in section and section.count("id r2-env0-play1") == 1
+
+
 def test_transcript_max_chars_is_checked() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["logging.transcript_max_chars=10"])

@@ -226,8 +226,9 @@ REPORT_LOOKBACK = 50  # rollouts searched back for the newest designer outputs (
 
 
 def report_section(run_dir: str | Path) -> str:
-    """The report's look at the newest rollout: its highest- and lowest-advantage agent episodes, and the best
-    designer output of the newest rollout that has any, as escaped HTML ("" for a run without transcripts)."""
+    """The report's look at the newest rollout: its highest- and lowest-advantage agent episodes (one, titled so, when
+    only one was trained), and the best designer output of the newest rollout that has any (said to be pending while
+    none of them has its delayed reward), as escaped HTML ("" for a run without transcripts)."""
     written = rollouts_written(run_dir)
     if not written:
         return ""
@@ -243,10 +244,15 @@ def report_section(run_dir: str | Path) -> str:
     except TranscriptError as exc:
         return f"<h2>Rollout transcripts</h2><p class='problems'>{html.escape(str(exc))}</p>"
     trained = [r for r in agents if r.get("trained")] or agents
-    picks = [(f"highest-advantage agent episode (rollout {rollout})", trained[0]),
-             (f"lowest-advantage agent episode (rollout {rollout})", trained[-1])] if trained else []
-    if designers:
-        picks.append((f"best designer output (rollout {designed})", designers[0]))
+    if len(trained) == 1:  # both the highest and the lowest
+        only = "trained agent episode" if trained[0].get("trained") else "agent episode"
+        picks = [(f"the only {only} (rollout {rollout})", trained[0])]
+    else:
+        picks = [(f"highest-advantage agent episode (rollout {rollout})", trained[0]),
+                 (f"lowest-advantage agent episode (rollout {rollout})", trained[-1])] if trained else []
+    if designers:  # ranked with the unscored last: none is scored while every reward is still delayed
+        best = "best designer output" if score(designers[0]) is not None else "designer output, reward pending"
+        picks.append((f"{best} (rollout {designed})", designers[0]))
     parts = [f"<h2 id='transcripts'>Rollout transcripts</h2><p>Newest rollout: {rollout}; every one: "
              f"<code>spade-mega rollouts {html.escape(str(run_dir))} [--rollout N]</code></p>"]
     for title, record in picks:
