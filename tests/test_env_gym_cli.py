@@ -172,3 +172,15 @@ def test_env_play_ends_with_the_episode_and_shows_program_output(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[2:] == ["| debug: hello", '[reward +1.000, info {"len": 5}]', "HELLO",
                                             "[episode terminated after 1 turns, return +1.000]"]
+
+
+def test_env_play_sums_the_return_as_training_does(tmp_path: Path) -> None:
+    # 1e308 + 1e308 - 1e308: a running float total passes through +inf and stays there; the episode's exact sum
+    # (envs.episode.episode_return, what the rollout and its transcript record) is 1e308.
+    path = tmp_path / "huge.py"
+    path.write_text("class Huge:\n    max_turns = 3\n    def reset(self, seed):\n        self.t = 0\n"
+                    "        return 'go'\n    def step(self, action):\n        self.t += 1\n"
+                    "        return 'o', -1e308 if action == 'down' else 1e308, self.t == 3, False, {}\n")
+    proc = cli("env", "play", str(path), *STRICT_TEST_USER, stdin="up\nup\ndown\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == f"[episode terminated after 3 turns, return {1e308:+.3f}]"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from spade_mega.config.loader import load_config
 from spade_mega.config.schema import SpadeConfig
+from spade_mega.envs.episode import episode_return
 from spade_mega.envs.program import EnvProgram
 from spade_mega.errors import SpadeError
 
@@ -102,13 +103,14 @@ def _play(args: argparse.Namespace) -> int:
         except SandboxError as error:
             _failed(args.file, f"reset({args.seed})", error)
         _show_output(env.last_output)
-        total, turns = 0.0, 0
+        rewards: list[float] = []  # summed as the rollout sums them: a running sum can pass through inf
+        turns = 0
         while True:
             if interactive:
                 print("> ", end="", flush=True)
             line = sys.stdin.readline()
             if not line:
-                print(f"[stopped after {turns} turns, return {total:+.3f}]")
+                print(f"[stopped after {turns} turns, return {episode_return(rewards):+.3f}]")
                 return 0
             action = line.rstrip("\n")
             try:
@@ -116,16 +118,17 @@ def _play(args: argparse.Namespace) -> int:
             except SandboxError as error:
                 _failed(args.file, f"step {turns + 1} (action {action!r})", error)
             turns += 1
-            total += reward
+            rewards.append(reward)
             _show_output(env.last_output)
             print(f"[reward {reward:+.3f}{', info ' + json.dumps(info) if info else ''}]")
             print(observation)
             if terminated or truncated:
                 print(f"[episode {'terminated' if terminated else 'truncated'} after {turns} turns, "
-                      f"return {total:+.3f}]")
+                      f"return {episode_return(rewards):+.3f}]")
                 return 0
             if turns >= horizon:
-                print(f"[episode truncated after {turns} turns ({limit}), return {total:+.3f}]")
+                print(f"[episode truncated after {turns} turns ({limit}), "
+                      f"return {episode_return(rewards):+.3f}]")
                 return 0
 
 
