@@ -331,8 +331,13 @@ def layer_spec(model: ModelConfig, backend: Backend) -> Any:
     if backend.te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=model.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    from spade_mega.megatron.attention import PackedSegmentAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    # the packed rows' attention per segment with torch's fused kernel, not over the whole [L, L] score matrix
+    spec.submodules.self_attention.submodules.core_attention = PackedSegmentAttention
+    return spec
 
 
 def build_model_chunks(model: ModelConfig, config: Any, backend: Backend) -> list[Any]:
