@@ -190,6 +190,8 @@ def _train(out: Path, *extra: str, signal_after: str | None = None) -> str:
                 break
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, ("".join(early) + stderr)[-4000:]
+    with open(out / "stderr.log", "a") as log:
+        log.write("".join(early) + stderr)
     return stdout
 
 
@@ -248,6 +250,16 @@ def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs:
     states = [store.read_state(ckpt) for ckpt in sorted(store.root.glob("step_*"))]
     assert [s.rollout for s in states] == [1, 2, 3]
     assert len(states[-1].environments) == 2 and states[-1].buffer["pending"]  # rollout 3's designer samples wait
+
+
+@pytest.mark.slow
+def test_a_run_prints_no_notice_its_user_cannot_act_on(runs: tuple[Path, Path]) -> None:
+    """make demo printed seven notices between its progress lines that ask megatron-core's authors, not our users, to
+    act (Apex missing, GPTModel deprecated, DDP's parameter layout, MIMO experimental, a non-leaf .grad in its
+    optimizer) and one of ours (a float of a tensor that requires grad)."""
+    stderr = (runs[0].parent / "stderr.log").read_text()
+    for notice in ("Warning", "WARNING", "DEPRECATED", "deprecated"):
+        assert notice not in stderr, stderr[-4000:]
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ Rules:
   patched behaviour is right; the multi-process tests check the numerics end to end. docs/megatron.md says how to
   read a failure after an upgrade.
 
-:func:`install` also silences the deprecation notices megatron-core's own calls raise (``_UPSTREAM_DEPRECATIONS``):
-they are for its authors, and a run printed them at every optimizer step.
+:func:`install` also silences the notices megatron-core prints for its authors, not our users (``_UPSTREAM_WARNINGS``,
+``_UPSTREAM_LOG_NOTICES``): deprecations its own calls raise (a run printed them at every optimizer step) and
+import-time notes; `make demo` printed seven of them between its progress lines.
 
 :func:`install` must run before ``megatron.core.pipeline_parallel`` is first imported (see ``paged_stash``): every
 function of :mod:`spade_mega.megatron` that imports megatron-core calls it first (importing the package does not).
@@ -645,24 +646,36 @@ def install() -> dict[str, str]:
     global _installed
     if _installed is not None:
         return dict(_installed)
+    _quiet_upstream_notices()  # first: the shims' probes import megatron-core modules that warn at import
     applied: dict[str, str] = {}
     for shim in (SHIMS if not torch.cuda.is_available() else ()) + FIXES:
         evidence = shim.probe()
         if evidence:
             shim.apply()
             applied[shim.name] = evidence
-    _quiet_upstream_deprecations()
     _installed = applied
     return dict(applied)
 
 
-# Deprecation notices that megatron-core's own calls raise: they ask megatron-core's authors, not our users, to act,
-# and a run printed them at every optimizer step (the distributed optimizer's collectives) and at the first save.
-_UPSTREAM_DEPRECATIONS = (
-    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+# Notices megatron-core prints that ask its authors, not our users, to act: deprecations its own calls raise (a run
+# printed them at every optimizer step and at the first save; its own default cuda_graph_modules "full" warns that
+# "full" is deprecated), import-time notes on parts we do not use (Apex and Transformer Engine fallbacks: the local
+# spec, torch's norm and optimizers are the CPU path by design, and model.transformer_impl decides TE on GPUs; the
+# experimental MIMO model), torch's warning about the non-leaf .grad its optimizer probes, GPTModel's deprecation in
+# favour of HybridModel, and DDP computing the parameter layout itself (megatron-core < 0.19 takes none). Each is
+# matched by its text and, where it can be, its module, so the same text raised by our code still shows.
+_UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning, ""),
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\.core\."),
+    (r"Transformer Engine and Apex are not installed\. Falling back", UserWarning, r"(megatron\.core\.|megatron_fsdp)"),
+    (r"full scope is deprecated", UserWarning, r"megatron\.core\.transformer\.transformer_config"),
+    (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\."),
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor", UserWarning, r"megatron\.core\.optimizer\."),
 )
 _UPSTREAM_LOG_NOTICES = {
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
 }
 
 
@@ -675,9 +688,9 @@ class _DropNotice(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-def _quiet_upstream_deprecations() -> None:
-    for message in _UPSTREAM_DEPRECATIONS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+def _quiet_upstream_notices() -> None:
+    for message, category, module in _UPSTREAM_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, prefix in _UPSTREAM_LOG_NOTICES.items():
         logging.getLogger(name).addFilter(_DropNotice(prefix))
 

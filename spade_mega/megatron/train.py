@@ -276,7 +276,7 @@ class Trainer:
             # a micro-batch without loss tokens adds nothing (the empty ones that keep data-parallel ranks in step
             # carry no rollout log-probs, so no TIS metrics either)
             if self.reports_metrics and n > 0:
-                sums[0] += float(loss)
+                sums[0] += float(loss.detach())
                 sums[1] += n
                 for k, key in enumerate(mean_keys):
                     sums[2 + k] += n * float(metrics[key])
