@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from spade_mega.errors import SpadeError
+from spade_mega.files import fsync_path
 from spade_mega.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_identity
 
 if TYPE_CHECKING:
@@ -53,19 +54,11 @@ class CheckpointError(SpadeError):
     """A checkpoint that cannot be used (missing, incomplete, or from an incompatible model)."""
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     for dirpath, _, filenames in os.walk(folder):
         for name in filenames:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -348,7 +341,7 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(partial, final)
-        _fsync(root)
+        fsync_path(root)
         if keep is not None:
             _prune(root, keep, final)
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import gzip
 import html
 import json
-import os
 import re
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, BinaryIO, Callable, Iterable, Optional
 
 from spade_mega.errors import SpadeError
+from spade_mega.files import replace_atomically
 
 TRANSCRIPTS_DIR = "rollouts"
 _NAME = re.compile(r"rollout_(\d{6,})\.jsonl\.gz")
@@ -49,26 +49,15 @@ def write_rollout(run_dir: str | Path, rollout: int, records: Iterable[dict[str,
     """Write rollout ``rollout``'s records, replacing any earlier file of that rollout only once complete."""
     target = transcript_path(run_dir, rollout)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        with open(tmp, "wb") as raw:
-            # mtime 0: the same records give the same bytes (a resumed run's file equals the straight run's)
-            with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as f:
-                for record in records:
-                    f.write(json.dumps(record, ensure_ascii=False, allow_nan=False,
-                                       separators=(",", ":")).encode("utf-8") + b"\n")
-            raw.flush()
-            os.fsync(raw.fileno())
-        tmp.replace(target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return target
+
+    def write(raw: BinaryIO) -> None:
+        # mtime 0: the same records give the same bytes (a resumed run's file equals the straight run's)
+        with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False, allow_nan=False,
+                                   separators=(",", ":")).encode("utf-8") + b"\n")
+
+    return replace_atomically(target, write)
 
 
 class BackgroundWriter:

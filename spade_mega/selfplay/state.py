@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from spade_mega.envs.program import EnvProgram
 from spade_mega.errors import SpadeError
+from spade_mega.files import replace_atomically
 from spade_mega.megatron.checkpoint import find_latest, is_complete
 
 STATE_FORMAT = "spade-mega.selfplay-state"
@@ -158,19 +158,8 @@ class CheckpointStore:
     def write_state(self, step: int, state: LoopState) -> Path:
         """Write the loop state of trainer step ``step`` atomically (before the trainer's checkpoint of that step)."""
         self.states.mkdir(parents=True, exist_ok=True)
-        target = self.state_path(step)
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state.to_dict(), f, allow_nan=False, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(target)
-        fd = os.open(self.states, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return target
+        text = json.dumps(state.to_dict(), allow_nan=False, separators=(",", ":"))
+        return replace_atomically(self.state_path(step), lambda f: f.write(text.encode("utf-8")))
 
     def prune_states(self) -> None:
         """Delete loop states whose trainer checkpoint is gone (pruned by keep_checkpoints, or never completed)."""
