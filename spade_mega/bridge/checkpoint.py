@@ -87,7 +87,8 @@ def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[s
     """Name the shards ``-of-N``, write the index, the tokenizer's files and config.json, and move the folder into
     place once its files are on disk (a machine crash must not leave a folder under the name whose shards were still
     in the page cache)."""
-    from spade_mega.megatron.checkpoint import _fsync, _fsync_tree
+    from spade_mega.files import fsync_path
+    from spade_mega.megatron.checkpoint import _fsync_tree
     from spade_mega.megatron.providers import hf_config_dict
 
     weight_map = {}
@@ -108,7 +109,7 @@ def _finish(trainer: "Trainer", staging: Path, folder: Path, files: list[tuple[s
     if folder.exists():
         folder.rmdir()
     os.replace(staging, folder)
-    _fsync(folder.parent)
+    fsync_path(folder.parent)
 
 
 class HFCheckpoint:
