@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -171,10 +172,10 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Tear down Megatron's groups and the default process group (tests and tools that run several layouts)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
+    """Tear down Megatron's groups (when any were built) and the default process group: tests and tools that run
+    several layouts, and every command on its way out (see spade_mega.cli)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
