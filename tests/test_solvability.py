@@ -14,13 +14,14 @@ import torch
 
 from spade_mega.config.loader import load_config
 from spade_mega.curriculum.memory import EnvMemory
+from spade_mega.curriculum.rewards import designer_reward
 from spade_mega.curriculum.prompts import PromptBuilder
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.envs.validate import Reason
 from spade_mega.inference.hf import HFEngine
-from spade_mega.rollout import ChatTurns, PlayedSolvability, Rollout
+from spade_mega.rollout import AgentPlay, ChatTurns, DesignerSlot, PlayedSolvability, Rollout
 from spade_mega.tokenizer import byte_tokenizer
 
 from sandbox_support import strict_config, strict_missing
@@ -48,6 +49,16 @@ BREAKS_ON_GIVING_UP = textwrap.dedent(f'''
             self.turn += 1
             return "No.", 0.0, action == "please", self.turn >= 4, {{}}
 ''')
+
+# The same, but it hangs past sandbox.call_timeout_s instead of raising; and one whose step() always hangs, which the
+# sandbox checks find.
+HANGS_ON_GIVING_UP = BREAKS_ON_GIVING_UP.replace("class Fussy", "class Stubborn").replace(
+    'raise ValueError("cannot handle giving up")', "while True: pass")
+ALWAYS_HANGS = BREAKS_ON_GIVING_UP.replace("class Fussy", "class Sleepy").replace(
+    "self.turn += 1", "while True: pass")
+# Room for whole programs after the designer prompt (no model is built: the engine is scripted).
+DESIGNER_ROOM = ["model.max_position_embeddings=16384", "parallel.max_tokens_per_gpu=16384",
+                 "rollout.max_context_tokens=12000", "rollout.max_designer_tokens=4096"]
 
 
 # Partial credit: each "up" pays 0.3 (two climb to the top: 0.6, a win), anything else 0.3 and the episode ends.
@@ -147,6 +158,28 @@ def test_a_policy_that_wins_passes_solvable_programs_and_refuses_the_rest(pool, 
     assert Rollout.from_config(strict, engine, pool, tokenizer).validator.validate(total).ok
 
 
+def test_a_timeout_costs_the_designer_the_same_wherever_it_is_found(pool, tokenizer) -> None:
+    """SPADE pays a designer whose program's step() times out a bounded penalty (the reference: -0.5): a program that
+    hangs under the solvability check's plays, or under the sandbox checks, is paid rewards.step_timeout_penalty as
+    the same hang met in training's play is, and one that raises the invalid-program penalty. (A timeout in
+    validation was paid the invalid-program penalty, 0 by default: hanging cost the designer less when caught early.)"""
+    cfg = load_config(TINY, [*CHECK, *DESIGNER_ROOM, "rollout.max_turns=4", "rollout.max_response_tokens=64"])
+    stubborn, fussy, sleepy = (EnvProgram(source, "Be polite.", "arithmetic")
+                               for source in (HANGS_ON_GIVING_UP, BREAKS_ON_GIVING_UP, ALWAYS_HANGS))
+    engine = solver(cfg, tokenizer, [], {"arithmetic": [stubborn, fussy, sleepy]})
+    rollout = Rollout.from_config(cfg, engine, pool, tokenizer)
+    outcomes = rollout.design([DesignerSlot("arithmetic") for _ in range(3)]).outcomes
+    reports = [outcome.validation for outcome in outcomes]
+    assert [r.reason for r in reports] == [Reason.TIMEOUT, Reason.PROGRAM_ERROR, Reason.TIMEOUT]
+    assert "solvability" in reports[0].stats and "solvability" not in reports[2].stats  # found by the check / not
+    (played,) = rollout.play([AgentPlay("stubborn", stubborn, seed=0)]).episodes
+    assert played.designer_failure == "step_timeout"
+    assert [o.failure for o in outcomes] == ["step_timeout", "invalid_program", "step_timeout"]
+    paid = [designer_reward(cfg.rewards, {}, failure=o.failure).value for o in outcomes]
+    assert paid == [cfg.rewards.step_timeout_penalty, cfg.rewards.invalid_program_penalty,
+                    cfg.rewards.step_timeout_penalty] == [-0.5, 0.0, -0.5]
+
+
 def test_a_random_model_solves_nothing_so_programs_are_refused_at_a_bounded_cost(pool, tokenizer) -> None:
     """The real engine and model: each program costs at most attempts x turns x max_response_tokens tokens."""
     cfg = load_config(TINY, [*CHECK, "rollout.max_turns=2", "rollout.max_response_tokens=8"])
@@ -183,11 +216,8 @@ def test_the_loop_refuses_unsolvable_designs_and_counts_wins_of_shaped_rewards(t
     from spade_mega import inference
     from spade_mega.selfplay.loop import _Actor
 
-    overrides = [*CHECK, "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
+    overrides = [*CHECK, *DESIGNER_ROOM, "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
                  "rollout.hint_plays_per_env=2", "rollout.max_response_tokens=64", "selfplay.designer_delay=1",
-                 # room for a whole program after the designer prompt (no model is built: the engine is scripted)
-                 "model.max_position_embeddings=16384", "parallel.max_tokens_per_gpu=16384",
-                 "rollout.max_context_tokens=12000", "rollout.max_designer_tokens=4096",
                  "curriculum.active_skills=1", "selfplay.library_fallback=false", f"run.output_dir={tmp_path}"]
     if strict_missing() is not None:
         overrides.append("sandbox.isolation=best-effort")

@@ -19,7 +19,7 @@ from spade_mega.curriculum.memory import EnvRecord
 from spade_mega.curriculum.parsing import ParseReason
 from spade_mega.curriculum.rewards import Failure
 from spade_mega.envs.program import EnvProgram
-from spade_mega.envs.validate import ValidationReport
+from spade_mega.envs.validate import Reason, ValidationReport
 from spade_mega.inference.base import EngineError
 
 
@@ -102,8 +102,15 @@ class DesignerOutcome:
 
     @property
     def failure(self) -> Optional[Failure]:
-        """The designer-reward failure of this output: ``invalid_program`` unless it is valid."""
-        return None if self.valid else "invalid_program"
+        """The designer-reward failure of this output, None when it is valid: ``step_timeout`` when validation refused
+        it for a call past ``sandbox.call_timeout_s`` (reason ``timeout``: in its sandbox checks, or while the
+        solvability check played it), as the same timeout met in training's play is paid; else ``invalid_program``.
+        A slow program refused for ``validation.time_budget_s`` as a whole is ``invalid_program``: no call hung."""
+        if self.valid:
+            return None
+        if self.validation is not None and self.validation.reason is Reason.TIMEOUT:
+            return "step_timeout"
+        return "invalid_program"
 
     @property
     def rejection(self) -> Optional[str]:
