@@ -32,6 +32,7 @@ setup(
         "nvidia-ml-py",
         "pyarrow",  # corpus loading: Parquet and Hugging Face datasets saved to disk
         "psutil",  # megatron-core dist_checkpointing save workers need it (an optional import there)
+        "sympy",  # held-out maths answers compared symbolically (evaluation/symbolic.py)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis"],

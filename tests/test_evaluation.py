@@ -44,7 +44,7 @@ BOXED = [  # (model reply, reference, right?)
     ("\\boxed{0.50}", "1/2", True),
     ("\\boxed{2.0}", "2", True),
     ("\\boxed{\\text{(B) } 12 \\text{ cm}}", "(B) 12 cm", True),  # text compared after normalisation
-    ("first \\boxed{5}, but wait: \\boxed{6}", "6", True),  # the last box
+    ("first \\boxed{5}, but wait: \\boxed{6}", "6", False),  # two different boxed answers: a hedge scores 0
     ("\\boxed{x^{2} + \\frac{1}{2}}", "x^{2}+\\frac{1}{2}", True),  # nested braces, spaces
     ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", True),
     ("Therefore.\nAnswer: 45", "45", True),

@@ -3,18 +3,21 @@
 One mechanism, three parametrisations (``eval.suites[].scorer``): each scorer *extracts* the final answer from the
 completion and *compares* it with the reference answer.
 
-- ``boxed`` (maths, AIME-style): the content of the last ``\\boxed{...}`` (braces nested to any depth), else the last
-  ``Answer: ...`` line; both sides normalised (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a
-  trailing full stop) and compared as exact rational numbers when both read as one (``1,000`` = ``1000``,
-  ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list entries, so
-  ``1, 234`` is no number), else as normalised text. Around a number, ``x =``, ``\\$``, ``\\%``, ``^\\circ`` and a
-  trailing unit in ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting (MATH's answers drop them), except that
-  two different units never match (``5\\text{ cm}`` is not ``5\\text{ m}``). A reference holding a ``\\boxed{}`` (a
-  worked solution) is its boxed answer.
+- ``boxed`` (maths, AIME-style): the content of the ``\\boxed{...}`` (braces nested to any depth), else the last
+  ``Answer: ...`` line; a reply boxing two different answers is a hedge and has none (the same answer boxed twice, in
+  any form, is one). Compared, in this order: as exact rational numbers when both read as one (``1,000`` =
+  ``1000``, ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list
+  entries, so ``1, 234`` is no number; around a number, ``x =``, ``\\$``, ``\\%``, ``^\\circ`` and a trailing unit in
+  ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting, MATH's answers drop them, except that two different
+  units never match: ``5\\text{ cm}`` is not ``5\\text{ m}``); as text after normalisation (spaces, ``$``,
+  ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop); else symbolically (``symbolic.py``:
+  ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, tuples element by element, never ``1.414`` = ``\\sqrt{2}``).
+  A reference holding a ``\\boxed{}`` (a worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
-  hedge, ``A or B``), or a reply that is just the letter (``(C)``); compared with the reference letter.
-- ``exact``: the boxed or ``Answer:`` answer (else the whole reply), normalised, compared as text.
+  hedge, ``A or B``, nor do two different boxed letters), or a reply that is just the letter (``(C)``); compared with
+  the reference letter.
+- ``exact``: the boxed or ``Answer:`` answer (none for a hedge; else the whole reply), normalised, compared as text.
 
 A completion without an extractable answer scores 0, like a wrong one. The fourth scorer, ``code``, runs programs
 and so lives apart (``code.py``: in sandbox workers).
@@ -44,6 +47,7 @@ def _choice_phrase(keywords: str) -> re.Pattern[str]:
 # an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
 _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 _WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
 _UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")  # "5\text{ cm}"
@@ -54,35 +58,55 @@ _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
 
+def boxed_answers(text: str) -> list[Optional[str]]:
+    """The contents of every ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, in order, nested braces balanced (a box
+    inside a box is part of its content); a box never closed ends the list as None (its answer was cut off)."""
+    found: list[Optional[str]] = []
+    at = 0
+    while (match := _BOX.search(text, at)) is not None:
+        rest = text[match.end():].lstrip()
+        if not rest.startswith("{"):  # "\boxed 5": the token right after it; never a brace further on
+            token = rest.split()[0].rstrip(".$") if rest else ""
+            if token:
+                found.append(token)
+            at = match.end()
+            continue
+        open_at, depth = len(text) - len(rest), 0
+        for i in range(open_at, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    content = text[open_at + 1:i]
+                    inner = boxed_answers(content) if _BOX.match(content.strip()) else []
+                    found.append(inner[0] if len(inner) == 1 and content.strip().endswith("}") else content)
+                    at = i + 1
+                    break
+        else:
+            found.append(None)
+            break
+    return found
+
+
 def last_boxed(text: str) -> Optional[str]:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), its nested braces balanced; None if there is
-    none or it is not closed."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``); None if there is none or it is not closed."""
+    boxes = boxed_answers(text)
+    return boxes[-1] if boxes else None
+
+
+def final_answer(text: str, same: Optional[Callable[[str, str], bool]] = None) -> Optional[str]:
+    """The boxed answer, else the last ``Answer: ...`` line's text; None when the reply states neither, and when it
+    boxes two different answers (a hedge; ``same`` decides, by default text equality after normalisation)."""
+    boxes = boxed_answers(text)
+    if not boxes:
+        lines = _ANSWER_LINE.findall(text)
+        return lines[-1] if lines else None
+    last = boxes[-1]
+    if last is None:
         return None
-    after = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
-    rest = text[after:].lstrip()
-    if not rest.startswith("{"):  # "\boxed 5": the token right after it; never a brace further on
-        return (rest.split()[0].rstrip(".$") if rest else "") or None
-    open_at = len(text) - len(rest)
-    depth = 0
-    for i in range(open_at, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_at + 1:i]
-    return None
-
-
-def final_answer(text: str) -> Optional[str]:
-    """The boxed answer, else the last ``Answer: ...`` line's text; None when the reply states neither."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    lines = _ANSWER_LINE.findall(text)
-    return lines[-1] if lines else None
+    same = same or (lambda a, b: normalise(a) == normalise(b))
+    return None if any(box is None or not same(box, last) for box in boxes[:-1]) else last
 
 
 def _unwrap(text: str) -> str:
@@ -152,15 +176,25 @@ def _same_maths(predicted: str, reference: str) -> bool:
     reference = last_boxed(reference) or reference  # a worked solution (MATH's solution field): its boxed answer
     x, y = _number_and_unit(predicted), _number_and_unit(reference)
     if x is not None and y is not None:
-        return x[0] == y[0] and (x[1] == y[1] or not x[1] or not y[1])
-    return normalise(predicted) == normalise(reference)
+        if x[1] and y[1] and x[1] != y[1]:
+            return False  # 5 cm is not 5 m
+        if x[0] == y[0]:
+            return True
+    if normalise(predicted) == normalise(reference):
+        return True
+    from spade_mega.evaluation.symbolic import equivalent  # sympy is imported on first use
+
+    return equivalent(predicted, reference)
 
 
 def choice_letter(text: str) -> Optional[str]:
     """The answer letter a reply ends on (see the module docstring); None if it names none."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        match = _CHOICE.fullmatch(normalise(boxed).upper())
+    boxes = [box for box in boxed_answers(text) if box is not None]
+    letters = {m.group(1) for m in (_CHOICE.fullmatch(normalise(box).upper()) for box in boxes) if m}
+    if len(letters) > 1:
+        return None  # \boxed{A} ... \boxed{C} is a hedge, as "A or B" is
+    if boxes:
+        match = _CHOICE.fullmatch(normalise(boxes[-1]).upper())
         if match:
             return match.group(1)
     for phrase in _CHOICE_PHRASES:
@@ -185,6 +219,12 @@ class Scorer:
         return answer, answer is not None and self.equal(answer, reference)
 
 
+def _exact_answer(reply: str) -> Optional[str]:
+    """The boxed or ``Answer:`` answer (None for a hedge), else the whole reply."""
+    stated = bool(boxed_answers(reply)) or _ANSWER_LINE.search(reply) is not None
+    return final_answer(reply) if stated else reply
+
+
 def reference_letter(reference: str) -> str:
     """The option letter a ``choice`` reference names (``C``, ``(C)``, ``Answer: C``); else its normalised text, which
     no reply's letter equals."""
@@ -192,9 +232,9 @@ def reference_letter(reference: str) -> str:
 
 
 SCORERS: dict[str, Scorer] = {
-    "boxed": Scorer("boxed", final_answer, _same_maths),
+    "boxed": Scorer("boxed", lambda reply: final_answer(reply, _same_maths), _same_maths),
     "choice": Scorer("choice", choice_letter, lambda answer, reference: answer == reference_letter(reference)),
-    "exact": Scorer("exact", lambda reply: final_answer(reply) or reply,
+    "exact": Scorer("exact", _exact_answer,
                     lambda answer, reference: normalise(answer) == normalise(reference)),
 }
 

@@ -1,0 +1,473 @@
+"""Symbolic equivalence of two maths answers: our own small LaTeX -> sympy translation for the forms AIME / MATH
+answers take, then a bounded comparison. Model text is never ``eval()``-ed nor handed to sympy's own parsers: a
+recursive-descent parser builds the expression from a fixed set of constructs, and anything else is refused (the
+caller then compares text).
+
+Translated: integers and decimals (exact rationals), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit
+multiplication (``2\\sqrt{2}``, ``3\\pi``, ``2x``, ``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character,
+as in LaTeX), ``\\frac`` / ``\\dfrac`` / ``\\tfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}``, ``\\pi``,
+``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ... ``\\ln``, ``\\log_b``, letters and Greek
+letters as variables (``x_1`` too), parentheses, brackets and braces as grouping. Around it: a tuple or interval
+``(a, b]`` (brackets must match, compared element by element), a set ``\\{a, b\\}`` or a bare list ``a, b``
+(compared as sets, in any order), a union ``A \\cup B``, an equation ``y = 2x + 1`` (``x =`` before a value is
+dropped; two equations are the same when their ``lhs - rhs`` agree up to sign), a trailing percent sign (a
+percentage equals its number with or without the sign, and its number / 100 against a side without one), degrees
+(``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match).
+
+Refused (not translated): a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``,
+inequalities, factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, and a power whose value would
+have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``): sympy evaluates integer powers as it builds them, so the size is
+checked before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
+
+Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
+non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
+``DIGITS`` significant digits (``PRECISION`` digits computed) at three fixed points of their variables: an identity
+test, not a proof, with the chance of a false match far below any benchmark's resolution.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is compared as text
+MAX_DIGITS = 10_000  # the largest power sympy is asked to compute exactly
+PRECISION = 60  # significant digits of the numerical identity test
+DIGITS = 45  # the digits two values must share (the rest is evaluation error)
+# the variables' values of the identity test: non-integers far from the poles of the usual answer forms
+POINTS = ((0.5377, -1.3077, 2.7694), (1.8339, 0.3426, -0.4336), (-2.2588, 3.5784, 0.7254))
+
+_FUNCTIONS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc", "ln": "log",
+              "log": "log", "exp": "exp", "arcsin": "asin", "arccos": "acos", "arctan": "atan"}
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
+          "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi",
+          "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
+_TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[A-Za-z]+|\\.|\S)")
+_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox", "\\operatorname", "\\displaystyle")
+_DEGREES = re.compile(r"(\^\s*\{?\s*\\circ\s*\}?|°)$")
+_PERCENT = re.compile(r"\\?%$")
+_VARIABLE = re.compile(r"^[A-Za-z]\s*=(?!=)")  # "x = 5": the value
+
+
+class Refused(Exception):
+    """The answer holds a construct this translation does not take, or one too large to compute."""
+
+
+# --- cleaning ---------------------------------------------------------------------------------------------------
+
+def clean(answer: str) -> str:
+    """LaTeX of an answer without what never changes its value: ``$``, ``\\left``/``\\right``, ``\\dfrac``, spacing
+    commands, text wrappers (their content kept), a trailing full stop."""
+    text = answer.strip().replace("\u2212", "-").replace("{,}", ",")
+    for command in _WRAPPERS:
+        pattern = re.compile(re.escape(command) + r"\s*\{([^{}]*)\}")
+        while True:
+            text, count = pattern.subn(r" \1 ", text)
+            if not count:
+                break
+    text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = text.replace("\\!", "").replace("\\$", "").replace("$", "")
+    for spacing in ("\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
+        text = text.replace(spacing, " ")
+    return text.strip().rstrip(".").strip()
+
+
+def _top_level(text: str, separator: str) -> list[str]:
+    """``text`` split at ``separator`` outside any bracket (``( [ {`` against ``) ] }``, so ``[0, 1)`` counts)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(text):
+        char = text[i]
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif depth == 0 and text.startswith(separator, i):
+            parts.append(text[start:i])
+            start = i + len(separator)
+            i = start
+            continue
+        i += 1
+    parts.append(text[start:])
+    return parts
+
+
+# --- the expression parser ---------------------------------------------------------------------------------------
+
+class _Parser:
+    """Recursive descent over LaTeX tokens: expr := term (('+'|'-') term)*; term := unary (('*'|'/'|implicit)
+    unary)*; unary := ('-'|'+') unary | power; power := atom ('^' exponent)*."""
+
+    def __init__(self, text: str) -> None:
+        import sympy
+
+        self.sp = sympy
+        self.tokens = _TOKEN.findall(text)
+        if "".join(self.tokens).strip() != re.sub(r"\s+", "", text):
+            raise Refused("untokenisable")
+        self.at = 0
+        self.bars = 0  # open |...|: a "|" closes one, it starts no product
+
+    def parse(self) -> Any:
+        value = self.expr()
+        if self.at != len(self.tokens):
+            raise Refused(f"unexpected {self.tokens[self.at]!r}")
+        return value
+
+    def peek(self, offset: int = 0) -> Optional[str]:
+        at = self.at + offset
+        return self.tokens[at] if at < len(self.tokens) else None
+
+    def take(self, expected: Optional[str] = None) -> str:
+        token = self.peek()
+        if token is None or (expected is not None and token != expected):
+            raise Refused(f"expected {expected or 'more'}, got {token!r}")
+        self.at += 1
+        return token
+
+    def expr(self) -> Any:
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            value = value + self.term() if self.take() == "+" else value - self.term()
+        return value
+
+    def term(self) -> Any:
+        value = self.unary()
+        while True:
+            token = self.peek()
+            if token in ("*", "\\cdot", "\\times"):
+                self.take()
+                value = value * self.unary()
+            elif token in ("/", "\\div"):
+                self.take()
+                divisor = self.unary()
+                if divisor == 0:
+                    raise Refused("division by zero")
+                value = value / divisor
+            elif self._starts_atom(token) and not (token == "|" and self.bars):
+                if _is_number(self.tokens[self.at - 1]) and (_is_number(token) or token == "\\frac"):
+                    raise Refused("two numbers side by side, or a mixed number")
+                value = value * self.power()
+            else:
+                return value
+
+    def unary(self) -> Any:
+        if self.peek() == "-":
+            self.take()
+            return -self.unary()
+        if self.peek() == "+":
+            self.take()
+            return self.unary()
+        return self.power()
+
+    @staticmethod
+    def _starts_atom(token: Optional[str]) -> bool:
+        return token is not None and (token in ("(", "[", "{", "|") or _is_number(token) or token.isalpha()
+                                      or (token.startswith("\\") and token[1:].isalpha()
+                                          and token not in ("\\cdot", "\\times", "\\div", "\\cup")))
+
+    def power(self) -> Any:
+        value = self.atom()
+        while self.peek() == "^":
+            self.take()
+            value = _power(self.sp, value, self.exponent())
+        return value
+
+    def exponent(self) -> Any:
+        """``^{...}``, or one character: ``2^10`` is 2^1 followed by 0, as LaTeX typesets it."""
+        token = self.peek()
+        if token == "{":
+            return self.group("{", "}")
+        if token is not None and _is_number(token):
+            self.take()
+            if len(token) > 1:  # "^10": the exponent is its first digit, the rest follows it
+                self.tokens.insert(self.at, token[1:])
+            return self.sp.Integer(token[0]) if token[0] != "." else _number(self.sp, token)
+        if token == "-":
+            self.take()
+            return -self.exponent()
+        return self.atom()
+
+    def group(self, opening: str, closing: str) -> Any:
+        self.take(opening)
+        value = self.expr()
+        self.take(closing)
+        return value
+
+    def argument(self) -> Any:
+        """A command's argument: ``{...}``, else one token (``\\frac12``, ``\\sqrt2``)."""
+        if self.peek() == "{":
+            return self.group("{", "}")
+        token = self.take()
+        if _is_number(token):
+            if len(token) > 1 and "." not in token:
+                self.tokens.insert(self.at, token[1:])
+                token = token[0]
+            return _number(self.sp, token)
+        self.at -= 1
+        return self.atom()
+
+    def atom(self) -> Any:
+        sp = self.sp
+        token = self.take()
+        if _is_number(token):
+            return _number(sp, token)
+        if token in ("(", "[", "{"):
+            return self.group_rest(token)
+        if token == "|":
+            self.bars += 1
+            value = self.expr()
+            self.take("|")
+            self.bars -= 1
+            return sp.Abs(value)
+        if token == "\\frac":
+            numerator = self.argument()
+            denominator = self.argument()
+            if denominator == 0:
+                raise Refused("division by zero")
+            return numerator / denominator
+        if token == "\\sqrt":
+            degree = None
+            if self.peek() == "[":
+                degree = self.group("[", "]")
+            radicand = self.argument()
+            return sp.sqrt(radicand) if degree is None else _power(sp, radicand, 1 / _nonzero(degree))
+        if token == "\\pi":
+            return sp.pi
+        if token == "\\infty":
+            return sp.oo
+        if token == "e":
+            return sp.E
+        if token == "i":
+            return sp.I
+        if token.startswith("\\") and token[1:] in _FUNCTIONS:
+            return self.function(token[1:])
+        if token.startswith("\\") and token[1:] in _GREEK:
+            return self.subscripted(token[1:])
+        if len(token) == 1 and token.isalpha():
+            return self.subscripted(token)
+        raise Refused(f"unsupported {token!r}")
+
+    def group_rest(self, opening: str) -> Any:
+        value = self.expr()
+        self.take({"(": ")", "[": "]", "{": "}"}[opening])
+        return value
+
+    def subscripted(self, name: str) -> Any:
+        if self.peek() == "_":
+            self.take()
+            index = self.take()
+            if index == "{":
+                parts = []
+                while self.peek() not in ("}", None):
+                    parts.append(self.take())
+                self.take("}")
+                index = "".join(parts)
+            name = f"{name}_{index}"
+        return self.sp.Symbol(name)
+
+    def function(self, name: str) -> Any:
+        sp = self.sp
+        base = None
+        if name == "log" and self.peek() == "_":
+            self.take()
+            base = self.argument()
+        exponent = None
+        if self.peek() == "^":  # \sin^2 x
+            self.take()
+            exponent = self.exponent()
+        if self.peek() in ("(", "{"):
+            argument = self.group_rest(self.take())
+        else:
+            argument = self.power()
+        value = getattr(sp, _FUNCTIONS[name])(argument)
+        if base is not None:
+            value = sp.log(argument) / sp.log(_nonzero(base))
+        return value if exponent is None else _power(sp, value, exponent)
+
+
+def _is_number(token: str) -> bool:
+    return token[:1].isdigit() or (token[:1] == "." and token[1:2].isdigit())
+
+
+def _number(sympy: Any, token: str) -> Any:
+    if len(token) > MAX_DIGITS:
+        raise Refused("a number too long")
+    return sympy.Rational(token)  # a decimal is its exact value: 0.5 is 1/2
+
+
+def _nonzero(value: Any) -> Any:
+    if value == 0:
+        raise Refused("division by zero")
+    return value
+
+
+def _digits(value: Any) -> float:
+    """log10 of a rational's size (numerator or denominator, whichever is larger), from its bit lengths."""
+    p, q = abs(int(value.p)), int(value.q)
+    return max(p.bit_length(), q.bit_length()) * math.log10(2)
+
+
+def _power(sympy: Any, base: Any, exponent: Any) -> Any:
+    """``base ** exponent``, refused when sympy could compute exact numbers of over MAX_DIGITS digits: it evaluates
+    a rational to a rational power as it builds it, and distributes one over a product's rational parts
+    (``(\\sqrt{2})^{10^9}`` is 2^{5 10^8}), so ``9^{9^{9^9}}`` would never return. The bound: the exponent times the
+    digits of the base's rationals (at least 1)."""
+    if base == 0 and exponent.is_number and exponent.is_negative:
+        raise Refused("division by zero")
+    if exponent.is_Rational and base not in (0, 1, -1):
+        size = max(1.0, sum(_digits(r) for r in base.atoms(sympy.Rational)))
+        if abs(float(exponent)) * size > MAX_DIGITS:
+            raise Refused("a power too large")
+    return sympy.Pow(base, exponent)
+
+
+def expression(text: str) -> Any:
+    """The sympy value of one LaTeX expression; Refused when it holds anything outside the module's list."""
+    return _Parser(text).parse()
+
+
+# --- answers: expressions, tuples, sets, equations ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Answer:
+    """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``), eq
+    (``value`` is lhs - rhs); ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or ""."""
+
+    kind: str
+    value: Any = None
+    items: tuple["Answer", ...] = ()
+    brackets: str = ""
+    percent: bool = False
+    unit: str = ""
+
+
+_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
+_CONSTANTS = ("e", "i")
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def parse_answer(answer: str) -> Optional[Answer]:
+    """The structure and values of ``answer``; None when any part of it is refused (see the module docstring)."""
+    if len(answer) > MAX_CHARS:
+        return None
+    try:
+        return _answer(answer.strip(), top=True)
+    except (Refused, RecursionError, ValueError, TypeError, ZeroDivisionError, OverflowError):
+        return None
+
+
+def _answer(raw: str, top: bool = False) -> Answer:
+    unit = ""
+    found = _UNIT.search(raw)
+    if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
+        unit, raw = " ".join(found.group(1).split()), raw[:found.start()]
+    text = clean(raw)
+    text = _DEGREES.sub("", text).strip()
+    percent = _PERCENT.search(text) is not None
+    text = _PERCENT.sub("", text).strip()
+    if top and "=" not in _VARIABLE.sub("", text):  # "x = 5" is 5; "x = y = 5" is refused below
+        text = _VARIABLE.sub("", text).strip()
+    if not text:
+        raise Refused("empty")
+    union = _top_level(text, "\\cup")
+    if len(union) > 1:
+        return Answer("union", items=tuple(_answer(part) for part in union), unit=unit)
+    sides = _top_level(text, "=")
+    if len(sides) == 2:
+        return Answer("eq", value=expression(sides[0]) - expression(sides[1]), unit=unit)
+    if len(sides) > 2:
+        raise Refused("a chain of equations")
+    if _THOUSANDS.fullmatch(text):  # 1,000 (a comma followed by a space, "1, 234", is a list)
+        return Answer("expr", value=expression(text.replace(",", "")), percent=percent, unit=unit)
+    if text.startswith("\\{") and text.endswith("\\}"):
+        return Answer("set", items=tuple(_answer(part) for part in _top_level(text[2:-2], ",")), unit=unit)
+    if text[0] in "([" and text[-1] in ")]" and _encloses(text):
+        inner = _top_level(text[1:-1], ",")
+        if len(inner) > 1:
+            return Answer("tuple", items=tuple(_answer(part) for part in inner), brackets=text[0] + text[-1],
+                          unit=unit)
+    items = _top_level(text, ",")
+    if len(items) > 1:
+        return Answer("set", items=tuple(_answer(part) for part in items), unit=unit)
+    return Answer("expr", value=expression(text), percent=percent, unit=unit)
+
+
+def _encloses(text: str) -> bool:
+    """Whether the first bracket of ``text`` closes at its last character (``(1, 2)``, ``[0, 1)``), not before
+    (``(1)(2)``)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if depth == 0:
+            return i == len(text) - 1
+    return False
+
+
+def equivalent(predicted: str, reference: str) -> bool:
+    """Whether two answers are the same (the module docstring's rule); False when either cannot be translated."""
+    a, b = parse_answer(predicted), parse_answer(reference)
+    return a is not None and b is not None and _same(a, b)
+
+
+def _same(a: Answer, b: Answer) -> bool:
+    if a.unit and b.unit and a.unit != b.unit:
+        return False
+    if a.kind != b.kind:
+        return False
+    if a.kind == "expr":
+        if a.percent != b.percent:  # 25\% against 25 or against 0.25
+            percent, other = (a, b) if a.percent else (b, a)
+            return _equal(percent.value, other.value) or _equal(percent.value / 100, other.value)
+        return _equal(a.value, b.value)
+    if a.kind == "eq":
+        return _equal(a.value, b.value) or _equal(a.value, -b.value)
+    if a.kind == "tuple":
+        return a.brackets == b.brackets and len(a.items) == len(b.items) and \
+            all(_same(x, y) for x, y in zip(a.items, b.items))
+    return _matched(a.items, b.items)  # set, union: in any order
+
+
+def _matched(xs: Sequence[Answer], ys: Sequence[Answer]) -> bool:
+    """Each item of ``xs`` equal to its own item of ``ys`` (same count)."""
+    if len(xs) != len(ys):
+        return False
+    left = list(ys)
+    for x in xs:
+        match = next((i for i, y in enumerate(left) if _same(x, y)), None)
+        if match is None:
+            return False
+        left.pop(match)
+    return True
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Exact when the difference is rational; else the identity test at POINTS (module docstring)."""
+    import sympy
+
+    try:
+        if a == b:
+            return True
+        difference = a - b
+        if difference == 0:
+            return True
+        if difference.is_Rational:
+            return False
+        symbols = sorted(difference.free_symbols, key=str)
+        if len(symbols) > len(POINTS[0]):
+            return False
+        tolerance = sympy.Float(10) ** -DIGITS
+        tested = 0
+        for point in POINTS:
+            values = {s: sympy.Float(v, PRECISION) for s, v in zip(symbols, point)}
+            x, y = a.evalf(PRECISION, subs=values), b.evalf(PRECISION, subs=values)
+            if not (x.is_number and y.is_number and x.is_finite and y.is_finite):
+                continue  # a pole, or a value sympy cannot evaluate: this point tells nothing
+            if abs(x - y) > tolerance * max(1, abs(x), abs(y)):
+                return False
+            tested += 1
+        return tested > 0
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, RecursionError, AttributeError):
+        return False

@@ -1,0 +1,139 @@
+"""The boxed scorer's answer equivalence (spade_mega/evaluation/symbolic.py, docs/evaluation.md "Scorers"): forms of
+the same value score, different values do not (including those a lax checker takes: a numerical tolerance, a
+percentage read three ways), hedges score 0 in every scorer, and a pathological answer is refused at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from spade_mega.evaluation.scoring import SCORERS, boxed_answers, final_answer
+from spade_mega.evaluation.symbolic import MAX_CHARS, expression, parse_answer
+
+SAME = [  # (answer the model boxed, reference)
+    ("2^{10}", "1024"),
+    ("\\sqrt{8}", "2\\sqrt{2}"),
+    ("\\frac{\\pi}{2}", "\\pi/2"),
+    ("\\dfrac{\\pi}{2}", "\\frac12\\pi"),
+    ("0.5", "\\frac{1}{2}"),
+    ("\\tfrac{3}{4}", "0.75"),
+    ("\\sqrt[3]{16}", "2\\sqrt[3]{2}"),
+    ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}"),  # a rationalised denominator
+    ("2 \\cdot 3^{2}", "18"),
+    ("4 \\times \\pi", "4\\pi"),
+    ("3\\pi", "\\pi \\cdot 3"),
+    ("\\left( 3, -\\frac{1}{2} \\right)", "(3, -0.5)"),  # tuples element by element
+    ("(-\\infty, 3]", "\\left(-\\infty,3\\right]"),  # intervals: the brackets and the ends
+    ("(-\\infty, 1) \\cup (2, \\infty)", "(2,\\infty)\\cup(-\\infty,1)"),
+    ("-2, 1", "1, -2"),  # "all the solutions": a list in any order
+    ("\\{1, 2, 3\\}", "\\{3, 2, 1\\}"),
+    ("(1, 2), (3, 4)", "(3,4),(1,2)"),
+    ("25\\%", "25"),  # MATH's answers drop the percent sign
+    ("25\\%", "0.25"),  # or give the fraction
+    ("30^\\circ", "30"),
+    ("\\frac{\\pi}{6}", "\\frac{\\pi}{6}"),
+    ("x^2 + 1", "1 + x^{2}"),
+    ("(x+1)^2", "x^2+2x+1"),
+    ("\\frac{x}{7}+\\frac{2}{7}", "\\frac{x+2}{7}"),
+    ("y = 2x + 1", "2x+1"),  # "y =" before the value
+    ("x + y = 1", "1 - x - y = 0"),  # equations: lhs - rhs up to sign
+    ("\\sin^2 \\theta + \\cos^2 \\theta", "1"),
+    ("\\log_2 8", "3"),
+    ("e^{i\\pi}", "-1"),
+    ("3+4i", "4i+3"),
+    ("|-3|", "3"),
+    ("2\\sqrt{2}\\text{ cm}", "\\sqrt{8}"),
+    ("\\$1{,}000", "1000"),
+    ("10,\\!000", "10^4"),
+]
+
+DIFFERENT = [  # (answer, reference): not the same value
+    ("1/2", "2"),
+    ("\\frac{1}{2}", "2"),
+    ("10", "100"),  # Qwen2.5-Math's grader takes 100 for 1 (a reference read as a percentage)
+    ("1000", "10\\%"),
+    ("\\sqrt{2}", "1.414"),  # a 1e-4 tolerance takes it
+    ("1.4142", "\\sqrt{2}"),
+    ("0.333", "\\frac{1}{3}"),
+    ("\\pi", "3.14159"),
+    ("25", "0.25"),  # neither a percentage
+    ("2\\frac{1}{2}", "\\frac{5}{2}"),  # a mixed number (or 2 times 1/2?) is refused, not guessed
+    ("2^10", "1024"),  # LaTeX typesets 2^1 0
+    ("(1, 2)", "(2, 1)"),  # a tuple is ordered
+    ("[0, 1)", "[0, 1]"),  # an open end is not a closed one
+    ("(1, 2)", "[1, 2]"),
+    ("1, 2", "1, 2, 3"),
+    ("x^2 + 1", "x^2 - 1"),
+    ("x + 1", "y + 1"),
+    ("(x+1)^2", "x^2+1"),
+    ("2\\sqrt{2}", "\\sqrt{2}"),
+    ("5\\text{ cm}", "5\\text{ m}"),  # two different units
+    ("3i", "3"),
+    ("\\frac{\\pi}{2}", "\\frac{\\pi}{3}"),
+    ("y = 2x + 1", "y = 2x - 1"),
+    ("x + y = 1", "x - y = 1"),
+]
+
+
+@pytest.mark.parametrize("answer, reference", SAME)
+def test_forms_of_the_same_value_score(answer: str, reference: str) -> None:
+    assert SCORERS["boxed"](f"So the answer is $\\boxed{{{answer}}}$.", reference)[1]
+    assert SCORERS["boxed"](f"\\boxed{{{reference}}}", answer)[1]  # either way round
+
+
+@pytest.mark.parametrize("answer, reference", DIFFERENT)
+def test_different_values_do_not_score(answer: str, reference: str) -> None:
+    assert not SCORERS["boxed"](f"\\boxed{{{answer}}}", reference)[1]
+    assert not SCORERS["boxed"](f"\\boxed{{{reference}}}", answer)[1]
+
+
+HEDGES = [  # (scorer, reply, reference, right?)
+    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "6", False),  # one of them right: still a hedge
+    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "5", False),
+    ("boxed", "\\boxed{\\frac{1}{2}}; as a decimal, \\boxed{0.5}.", "1/2", True),  # the same answer twice
+    ("boxed", "\\boxed{2^{10}} = \\boxed{1024}", "1024", True),
+    ("boxed", "\\boxed{1024} then \\boxed{1024}", "1024", True),
+    ("boxed", "\\boxed{7} and \\boxed{7", "7", False),  # the last box was cut off
+    ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", False),
+    ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", True),
+    ("exact", "\\boxed{Paris} or \\boxed{Lyon}", "Lyon", False),
+    ("exact", "\\boxed{Paris}, so: \\boxed{ Paris }", "Paris", True),
+]
+
+
+@pytest.mark.parametrize("scorer, reply, reference, right", HEDGES)
+def test_two_different_boxed_answers_are_a_hedge_and_score_0(scorer: str, reply: str, reference: str,
+                                                            right: bool) -> None:
+    answer, ok = SCORERS[scorer](reply, reference)
+    assert ok is right
+    assert (answer is not None) is right  # a hedge has no answer to report
+
+
+def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
+    assert boxed_answers("\\boxed{\\frac{a}{\\sqrt{b}}} x \\fbox{2} \\boxed 3. \\boxed{4") == \
+        ["\\frac{a}{\\sqrt{b}}", "2", "3", None]
+    assert boxed_answers("\\boxed{\\boxed{5}}") == ["5"]
+    assert final_answer("no box. Answer: 12") == "12" and final_answer("\\boxed{1} \\boxed{2}") is None
+
+
+PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{9}}", "x^{10^{9}}",
+                "((10^{100}\\sqrt{2})^{1000})^{1000}", "(1+\\sqrt{2})^{10^{9}}", "\\sin(10^{99999})",
+                "9^{9^{9^9}} - 9^{9^{9^9}}"]
+
+
+@pytest.mark.timeout(60)  # before the size bound the first of these never returned
+@pytest.mark.parametrize("answer", PATHOLOGICAL)
+def test_a_pathological_answer_is_refused_without_computing_it(answer: str) -> None:
+    """sympy evaluates a rational to a rational power exactly as it builds it; the translation refuses a power of
+    over MAX_DIGITS digits first, so the answer is compared as text: it scores 0 and returns at once."""
+    assert parse_answer(answer) is None
+    assert not SCORERS["boxed"](f"\\boxed{{{answer}}}", "1")[1]
+    assert not SCORERS["boxed"](f"\\boxed{{{answer}}} \\boxed{{{answer}1}}", "1")[1]  # the hedge check too
+    assert SCORERS["boxed"](f"\\boxed{{{answer}}}", answer)[1]  # the same text is still the same answer
+
+
+def test_what_the_translation_refuses() -> None:
+    for text in ("2\\frac{1}{2}", "1 2", "x \\pm 1", "x > 3", "5!", "\\binom{5}{2}", "\\begin{pmatrix}1\\end{pmatrix}",
+                 "a = b = c", "1/0", "0^{-1}", "x" * (MAX_CHARS + 1)):
+        assert parse_answer(text) is None, text
+    assert expression("2\\sqrt{2}") == expression("\\sqrt{8}")
+    assert str(expression("\\frac12 + x_1 \\cdot \\alpha")) == "alpha*x_1 + 1/2"
