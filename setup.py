@@ -35,12 +35,13 @@ setup(
         "sympy",  # held-out maths answers compared symbolically (evaluation/symbolic.py)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb"],
         # tools/bench kernels' Liger baseline (its CPU correctness check runs Liger's kernel under the interpreter)
         "bench": ["liger-kernel"],
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         "vllm": ["vllm"],
+        "wandb": ["wandb"],  # logging.wandb: Weights & Biases (the tests write offline runs with it)
     },
     entry_points={"console_scripts": ["spade-mega=spade_mega.cli:main"]},
 )

@@ -1,6 +1,6 @@
 """Start-up of the ``spade-mega`` command: registering the commands (every ``--help``) imports none of the heavy
-packages (torch, transformers, Megatron-Core, Triton); the handlers import what they need. Each check runs in a fresh
-process: a module imported by an earlier test would hide an import here."""
+packages (torch, transformers, Megatron-Core, Triton, wandb); the handlers import what they need. Each check runs in a
+fresh process: a module imported by an earlier test would hide an import here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).with_name("spade-mega")
-HEAVY = ("torch", "transformers", "megatron", "triton")
+HEAVY = ("torch", "transformers", "megatron", "triton", "wandb")
 
 # Every command path of the parser (``launch``, ``launch slurm``, ...) through cli.main, as the console script calls
 # it; after each --help, the heavy packages imported so far.

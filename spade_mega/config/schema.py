@@ -214,9 +214,41 @@ class RunConfig:
         _require(bool(self.output_dir), "run.output_dir", "must not be empty")
 
 
+_WANDB_FORBIDDEN = set("/\\#?%:")  # characters W&B refuses in project and entity names
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (rank 0): metrics.jsonl's records, same names and steps (the rollout index), and the
+    resolved config; needs ``pip install 'spade-mega[wandb]'``. The W&B run id is kept in the run directory, so a
+    resumed or requeued run continues the same W&B run."""
+
+    enabled: bool = False
+    project: str = "spade-mega"
+    entity: Optional[str] = None  # team or user; None = the API key's default entity
+    group: Optional[str] = None  # groups runs in the W&B UI (a sweep, an ablation)
+    name: Optional[str] = None  # display name; None = run.name
+    mode: Optional[Literal["online", "offline", "disabled"]] = None  # None = $WANDB_MODE, else online
+    tags: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        for key in ("project", "entity"):
+            value = getattr(self, key)
+            if value is not None:
+                _require(0 < len(value) <= 128 and not _WANDB_FORBIDDEN & set(value), f"logging.wandb.{key}",
+                         f"must be 1 to 128 characters without any of / \\ # ? % :, got {value!r}")
+        for key in ("group", "name"):
+            value = getattr(self, key)
+            _require(value is None or 0 < len(value) <= 128, f"logging.wandb.{key}",
+                     f"must be 1 to 128 characters (or null), got {value!r}")
+        for i, tag in enumerate(self.tags):
+            _require(0 < len(tag) <= 64, f"logging.wandb.tags[{i}]", f"must be 1 to 64 characters, got {tag!r}")
+        _require(len(set(self.tags)) == len(self.tags), "logging.wandb.tags", f"has duplicates: {self.tags!r}")
+
+
 @dataclass
 class LoggingConfig:
-    """Metric sinks and console output (spade_mega/monitor): run_dir/metrics.jsonl, run_dir/tensorboard."""
+    """Metric sinks and console output (spade_mega/monitor): run_dir/metrics.jsonl, run_dir/tensorboard, W&B."""
 
     jsonl: bool = True
     tensorboard: bool = True
@@ -229,8 +261,10 @@ class LoggingConfig:
     # advantage (spade-mega rollouts); each text field kept to transcript_max_chars (its head and tail)
     transcripts: bool = True
     transcript_max_chars: int = 16000
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def check(self) -> None:
+        self.wandb.check()
         _positive("logging", self, "log_interval")
         _require(self.transcript_max_chars >= 200, "logging.transcript_max_chars",
                  f"must be >= 200 (room for a text's head, tail and the cut marker), got {self.transcript_max_chars!r}")

@@ -1,4 +1,4 @@
-"""Monitoring of a run: metric sinks (JSONL, TensorBoard), NVML GPU stats, progress, console logging, the report.
+"""Monitoring of a run: metric sinks (JSONL, TensorBoard, W&B), NVML GPU stats, progress, console logging, the report.
 
 What a training loop calls (on every rank; only rank 0 writes or prints)::
 
@@ -20,6 +20,7 @@ from spade_mega.monitor.gpu import GpuReading, GpuStats, gpu_metrics
 from spade_mega.monitor.metrics import MetricsLogger, current_rank
 from spade_mega.monitor.progress import RunProgress
 from spade_mega.monitor.records import METRICS_FILE, MetricError, Record, scan
+from spade_mega.monitor.wandb_sink import WandbError, require_wandb
 
 __all__ = ["GpuReading", "GpuStats", "METRICS_FILE", "MetricError", "MetricsLogger", "Record", "RunProgress",
-           "current_rank", "gpu_metrics", "scan", "setup_logging"]
+           "WandbError", "current_rank", "gpu_metrics", "require_wandb", "scan", "setup_logging"]

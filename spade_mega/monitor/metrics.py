@@ -1,7 +1,8 @@
 """``MetricsLogger``: one call per step from every rank; the writing rank sends each record to its sinks.
 
 Sinks (each switched by the ``logging`` config): ``metrics.jsonl`` in the run directory (flushed after every record,
-so a crash loses at most the record being written) and TensorBoard event files under ``run_dir/tensorboard``.
+so a crash loses at most the record being written), TensorBoard event files under ``run_dir/tensorboard`` and a
+Weights & Biases run (``logging.wandb``, see wandb_sink.py).
 
 Resume: a run continued from the checkpoint of step S keeps the records up to S. Records after S (written by the
 interrupted run after its last checkpoint) and lines that do not parse are moved, verbatim, to a side file
@@ -29,6 +30,7 @@ from typing import Mapping, Optional, Protocol
 from spade_mega.config.schema import LoggingConfig
 from spade_mega.monitor.gpu import GpuStats
 from spade_mega.monitor.records import METRICS_FILE, MetricError, check_name, encode_record, scan, to_number
+from spade_mega.monitor.wandb_sink import WandbSink, wandb_wanted
 
 log = logging.getLogger("spade_mega.monitor")
 TENSORBOARD_DIR = "tensorboard"
@@ -148,11 +150,13 @@ class MetricsLogger:
     record, written by the next committing call (or by a call for another step, or by ``close``). ``prefix`` names
     the group of unprefixed metrics (``prefix="train"``: ``loss`` becomes ``train/loss``). Steps may repeat but never
     go back: that would draw a second curve over the first (resume from a checkpoint with ``resume_step`` instead).
-    With ``logging.gpu_stats``, every record also carries the node's ``gpu/<i>/...`` stats.
+    With ``logging.gpu_stats``, every record also carries the node's ``gpu/<i>/...`` stats. ``run_config`` (the
+    resolved config as a dict) is attached to the W&B run.
     """
 
     def __init__(self, run_dir: str | Path, cfg: Optional[LoggingConfig] = None, *,
-                 resume_step: Optional[int] = None, rank: Optional[int] = None, writer_rank: int = 0) -> None:
+                 resume_step: Optional[int] = None, rank: Optional[int] = None, writer_rank: int = 0,
+                 run_config: Optional[Mapping[str, object]] = None) -> None:
         cfg = cfg or LoggingConfig()
         if resume_step is not None and (type(resume_step) is not int or resume_step < 0):
             raise MetricError(f"resume_step must be a checkpoint's step (an int >= 0), got {resume_step!r}")
@@ -176,6 +180,8 @@ class MetricsLogger:
                 self._sinks.append(jsonl)
             if cfg.tensorboard:
                 self._sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, resume_step))
+            if wandb_wanted(cfg.wandb):
+                self._sinks.append(WandbSink(self.run_dir, cfg.wandb, resume_step, run_config))
         except BaseException:
             self.close()  # a sink that failed to start leaves the directory unlocked for the next try
             raise

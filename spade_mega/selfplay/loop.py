@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from spade_mega.config.loader import prepare_run_dir
+from spade_mega.config.loader import prepare_run_dir, to_dict
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.curriculum.corpus import Corpus, GroundingSampler
 from spade_mega.curriculum.memory import EnvMemory
@@ -55,7 +55,7 @@ from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.parallel import init_distributed
 from spade_mega.megatron.train import StepResult, Trainer
-from spade_mega.monitor import MetricsLogger, RunProgress, setup_logging, transcripts
+from spade_mega.monitor import MetricsLogger, RunProgress, require_wandb, setup_logging, transcripts
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
 from spade_mega.selfplay.lock import RunDirLock
@@ -445,6 +445,7 @@ class SelfPlay:
     def run(self) -> RunSummary:
         cfg = self.cfg
         setup_logging(cfg.logging)
+        require_wandb(cfg.logging.wandb)  # on every rank, before anything is built: a missing extra fails them alike
         with _StopSignal() as stop:  # from the start: a time-limit warning while the trainer builds stops at rollout 1
             checkpoint = self._checkpoint_to_resume()
             if checkpoint is None and cfg.inference.hf_weights is not None:  # before anything is built or written
@@ -493,7 +494,8 @@ class SelfPlay:
         sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
-        with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None) \
+        with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None,
+                           run_config=to_dict(cfg)) \
                 as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
             if cfg.eval.before_train and checkpoint is None:  # the starting weights, at step 0
                 metrics.log(0, _from_rank0(lambda: actor.evaluate(), share=True))

@@ -1,0 +1,120 @@
+"""Weights & Biases sink: the records of ``metrics.jsonl``, name for name and step for step, sent to a W&B run.
+
+wandb is an optional extra (``pip install 'spade-mega[wandb]'``), imported only when ``logging.wandb`` is on: without
+it, importing spade_mega.monitor never imports wandb. :func:`require_wandb` lets a run fail at its start, before the
+model is built, when the setting is on and the package is missing.
+
+One W&B run per spade-mega run: its id is kept in ``run_dir/wandb_run_id``. A run resumed from a checkpoint (requeued
+by SLURM, or started again by hand) passes ``resume_step`` and continues that W&B run (``resume="allow"``); a new run
+in the directory (its JSONL records are set aside) starts a new W&B run. W&B's history only grows: steps the
+interrupted attempt sent after its last checkpoint stay there, and W&B ignores this attempt's records of those steps
+(metrics.jsonl and TensorBoard show this attempt's).
+
+Failures: wandb.init failing at start (no API key, no network in online mode) stops the run there, naming the
+setting. Any W&B error after that (its service process gone, say) is said once; the sink then goes quiet and
+metrics.jsonl and TensorBoard go on, so monitoring never kills training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import string
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping, Optional
+
+from spade_mega.config.schema import WandbConfig
+from spade_mega.errors import SpadeError
+from spade_mega.files import replace_atomically
+
+log = logging.getLogger("spade_mega.monitor")
+WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
+RUN_ID_FILE = "wandb_run_id"
+_ID_CHARS = string.ascii_lowercase + string.digits  # W&B's own run id alphabet
+
+
+class WandbError(SpadeError):
+    """W&B logging cannot start: the package is missing, or wandb.init failed."""
+
+
+def wandb_wanted(cfg: WandbConfig) -> bool:
+    """Whether the run logs to W&B: ``enabled``, and the mode (the setting, else ``$WANDB_MODE``) not disabled."""
+    return cfg.enabled and (cfg.mode or os.environ.get("WANDB_MODE")) != "disabled"
+
+
+def import_wandb() -> ModuleType:
+    try:
+        import wandb
+    except ImportError as exc:
+        raise WandbError(f"logging.wandb.enabled is true but wandb cannot be imported ({exc}): {WANDB_EXTRA}, or "
+                         "set logging.wandb.enabled=false") from None
+    return wandb
+
+
+def require_wandb(cfg: WandbConfig) -> None:
+    """Fail now, naming the extra, when the run will log to W&B and wandb is not installed."""
+    if wandb_wanted(cfg):
+        import_wandb()
+
+
+def _run_id(run_dir: Path, resume_step: Optional[int]) -> str:
+    """The stored id when resuming (a run that never started W&B gets one now); a new id for a new run."""
+    path = run_dir / RUN_ID_FILE
+    if resume_step is not None and path.is_file():
+        stored = path.read_text(encoding="utf-8").strip()
+        if stored and not set(stored) & set("/\\#?%: \t"):  # a hand-written id may name any W&B run
+            return stored
+        log.warning("%s: %r is not a W&B run id; this run logs to a new W&B run", path, stored[:80])
+    run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+    replace_atomically(path, lambda f: f.write(f"{run_id}\n".encode()))
+    return run_id
+
+
+class WandbSink:
+    """Sends each record to a W&B run, step = the record's step; see the module docstring for resume and failures."""
+
+    def __init__(self, run_dir: Path, cfg: WandbConfig, resume_step: Optional[int],
+                 run_config: Optional[Mapping[str, Any]] = None) -> None:
+        self._wandb = import_wandb()
+        run_id = _run_id(run_dir, resume_step)
+        try:
+            self._run: Any = self._wandb.init(
+                project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name or run_dir.name,
+                tags=list(cfg.tags) or None, mode=cfg.mode, id=run_id, resume="allow",
+                config=dict(run_config) if run_config is not None else None,
+                # wandb's files beside the run's own, unless $WANDB_DIR puts them elsewhere (a scratch file system)
+                dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+        except Exception as exc:
+            raise WandbError(f"logging.wandb: wandb.init failed for run id {run_id} ({type(exc).__name__}: {exc}); "
+                             "online mode needs an API key (wandb login, or $WANDB_API_KEY) and the network, or set "
+                             "logging.wandb.mode=offline and `wandb sync` the run later") from exc
+        log.info("W&B run %s (project %s, mode %s)", run_id, cfg.project, self._run.settings.mode)
+
+    def write(self, step: int, wall_time: float, metrics: Mapping[str, float | int]) -> None:
+        if self._run is None:
+            return
+        try:
+            self._run.log(dict(metrics), step=step)
+        except Exception as exc:
+            self._stop(f"at step {step}", exc)
+
+    def close(self) -> None:
+        if self._run is None:
+            return
+        try:
+            self._run.finish()
+        except Exception as exc:
+            self._stop("when finishing the run", exc)
+        self._run = None
+
+    def _stop(self, when: str, exc: Exception) -> None:
+        """Say it once, then stop: the W&B run ends here, the other sinks go on."""
+        log.warning("W&B logging failed %s (%s: %s) and is off for the rest of this run; metrics.jsonl and "
+                    "TensorBoard go on", when, type(exc).__name__, exc)
+        self._run = None
+        try:
+            self._wandb.teardown()  # its service connection, or wandb's exit hook reports the same failure again
+        except Exception:
+            pass  # the failure was just reported; a broken connection cannot be torn down more cleanly

@@ -1,0 +1,253 @@
+"""Weights & Biases logging (logging.wandb) with the real wandb package in offline mode: no network, no login.
+
+Each scenario runs in a fresh process, as a training run does: wandb keeps process-wide state (its settings, read
+from the environment once, and its service process), which would leak from one scenario into the next. The W&B
+runs written are read back with wandb's own reader of ``.wandb`` files (``wandb leet inspect --json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.config.schema import WandbConfig
+from spade_mega.monitor.wandb_sink import RUN_ID_FILE, require_wandb
+from test_launch import _stand_in_env, _stand_in_job, _training_step_is
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+
+# The records a training loop logs: gathered from several calls per step (commit=False), a prefix, step 0 (the
+# evaluation before training), a non-finite loss, an int, GPU stats off (this machine has none)
+LOG_STEPS = """
+import math, sys
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
+
+def log_steps(run_dir, steps, resume_step=None, **wandb):
+    cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True, **wandb))
+    config = {"run": {"name": "w"}, "rl": {"kl": 0.0}}
+    with MetricsLogger(run_dir, cfg, resume_step=resume_step, run_config=config) as m:
+        for s in steps:
+            if s == 0:
+                m.log(0, {"eval/arithmetic/accuracy": 0.25})
+                continue
+            m.log(s, {"agent/return": s / 4, "envs/designer": s}, commit=False)
+            m.log(s, {"loss": math.nan if s == 2 else 1 / s}, prefix="train")
+"""
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Offline W&B with its files, settings and cache under tmp_path, and no key or login of this machine's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb-files"), WANDB_SILENT="true",
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+               WANDB_DATA_DIR=str(tmp_path / "wandb-data"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    (tmp_path / "wandb-files").mkdir(exist_ok=True)
+    return env
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _wandb_runs(files: Path) -> list[tuple[dict, list[dict]]]:
+    """Every W&B run (attempt) written under ``files``, oldest first: its run record and its history items."""
+    out = []
+    for path in sorted(files.rglob("run-*.wandb")):
+        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        run = next(r["run"] for r in records if r["type"] == "run")
+        out.append((run, [r["history"]["item"] for r in records if r["type"] == "history"]))
+    return out
+
+
+def _ours(item: dict) -> dict:
+    """A history item without wandb's own keys (_step, _runtime, _timestamp)."""
+    return {k: v for k, v in item.items() if not k.startswith("_")}
+
+
+def _jsonl(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_offline_wandb_run_holds_the_jsonl_records_and_the_resolved_config(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny"
+    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [0, 1, 2, 3], project='spade-test', group='ablation', "
+                        "tags=['t1', 't2'])", _env(tmp_path))
+    [(run, history)] = _wandb_runs(tmp_path / "wandb-files")
+    assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
+    assert (run["project"], run["run_group"], run["display_name"], run["tags"]) == \
+        ("spade-test", "ablation", "tiny", ["t1", "t2"])
+    config = run["config"]["update"]
+    assert (config["run"], config["rl"]) == ({"name": "w"}, {"kl": 0})
+    # step for step and name for name what metrics.jsonl holds (NaN written alike: the string "NaN")
+    records = _jsonl(run_dir)
+    assert [item["_step"] for item in history] == [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}
+                                                 for r in records]
+    assert history[2]["train/loss"] == "NaN" and history[3]["envs/designer"] == 3
+    assert math.isclose(history[3]["train/loss"], 1 / 3)
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_path: Path) -> None:
+    """An attempt that dies after rollout 3 (checkpoint at 2) and its requeued job resuming from step 2 log to one
+    W&B run; starting the run over (no checkpoint) in the same directory logs to a new one."""
+    run_dir = tmp_path / "runs" / "tiny"
+    env = _env(tmp_path)
+    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1, 2, 3])", env)
+    first_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [3, 4], resume_step=2)", env)
+    assert (run_dir / RUN_ID_FILE).read_text().strip() == first_id
+    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1])", env)
+    new_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    attempts = _wandb_runs(tmp_path / "wandb-files")
+    assert [(run["run_id"], [item["_step"] for item in history]) for run, history in attempts] == \
+        [(first_id, [1, 2, 3]), (first_id, [3, 4]), (new_id, [1])]
+    assert new_id != first_id and attempts[1][0]["resume"]
+
+
+def test_without_wandb_dir_the_wandb_files_live_in_the_run_directory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny"
+    env = _env(tmp_path)
+    del env["WANDB_DIR"]
+    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1], mode='offline')", env)
+    [(run, history)] = _wandb_runs(run_dir / "wandb")
+    assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip() and [h["_step"] for h in history] == [1]
+
+
+# The W&B service process dies between two records (what a W&B outage looks like from the trainer: every call to it
+# fails); the process's own children are found by pid and only the W&B ones are killed
+SERVICE_DIES = """
+import logging, psutil, sys
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
+
+logging.basicConfig(level=logging.INFO)
+cfg = LoggingConfig(gpu_stats=False, wandb=WandbConfig(enabled=True))
+with MetricsLogger(sys.argv[1], cfg) as m:
+    m.log(1, {"agent/return": 0.5})
+    service = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("wandb-")]
+    assert service, "no wandb service process"
+    for p in service:
+        p.kill()
+    psutil.wait_procs(service, timeout=30)
+    for s in (2, 3, 4):
+        m.log(s, {"agent/return": s / 2})
+print("trained on")
+"""
+
+
+@pytest.mark.slow
+def test_a_wandb_failure_mid_run_is_said_once_and_jsonl_and_tensorboard_go_on(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", SERVICE_DIES, str(run_dir)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=_env(tmp_path))
+    assert proc.returncode == 0 and "trained on" in proc.stdout, proc.stderr[-4000:]
+    assert proc.stderr.count("W&B logging failed") == 1, proc.stderr[-4000:]
+    assert "W&B logging failed at step 2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert [r["step"] for r in _jsonl(run_dir)] == [1, 2, 3, 4]
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("agent/return")] == [(1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)]
+
+
+# `spade-mega train` with logging.wandb on, in a process where wandb cannot be imported (sys.modules['wandb'] = None
+# makes every `import wandb` raise ImportError, as for a package that is not installed); building the trainer or
+# starting torch.distributed leaves a mark
+MISSING = """
+import pathlib, sys
+sys.modules["wandb"] = None
+import spade_mega.selfplay.loop as loop
+from spade_mega.cli import main
+
+mark = pathlib.Path(sys.argv[1])
+for name in ("Trainer", "init_distributed"):
+    built = getattr(loop, name)
+    def spy(*args, _built=built, _name=name, **kwargs):
+        mark.write_text(_name)
+        return _built(*args, **kwargs)
+    setattr(loop, name, spy)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_without_the_wandb_extra_the_run_fails_at_start_naming_it(tmp_path: Path) -> None:
+    mark = tmp_path / "built"
+    proc = subprocess.run([sys.executable, "-c", MISSING, str(mark), "train", str(TINY),
+                           f"run.output_dir={tmp_path / 'runs'}", "logging.wandb.enabled=true"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "pip install 'spade-mega[wandb]'" in proc.stderr and "logging.wandb.enabled" in proc.stderr
+    assert not mark.exists() and not (tmp_path / "runs").exists()  # nothing built, nothing written
+
+
+def test_a_disabled_wandb_needs_no_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    require_wandb(WandbConfig())  # off by default
+    require_wandb(WandbConfig(enabled=True, mode="disabled"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch, e.g. for a debugging run
+    require_wandb(WandbConfig(enabled=True))
+
+
+NO_WANDB_IMPORT = """
+import sys
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
+for wandb in (WandbConfig(), WandbConfig(enabled=True, mode="disabled")):
+    with MetricsLogger(sys.argv[1], LoggingConfig(tensorboard=False, gpu_stats=False, wandb=wandb)) as m:
+        m.log(1, {"agent/return": 1.0})
+assert "wandb" not in sys.modules, "wandb imported"
+"""
+
+
+def test_the_monitor_without_wandb_on_never_imports_it(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    del env["WANDB_MODE"]
+    proc = subprocess.run([sys.executable, "-c", NO_WANDB_IMPORT, str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("override, path", [
+    ("logging.wandb.project=team/project", "logging.wandb.project"),
+    ("logging.wandb.entity=''", "logging.wandb.entity"),
+    ("logging.wandb.name=''", "logging.wandb.name"),
+    ("logging.wandb.tags=[a, a]", "logging.wandb.tags"),
+    (f"logging.wandb.tags=[{'x' * 65}]", "logging.wandb.tags[0]"),
+    ("logging.wandb.mode=dryrun", "logging.wandb.mode"),
+    ("logging.wandb.projet=x", "logging.wandb.projet"),
+])
+def test_wandb_settings_errors_name_the_key(override: str, path: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert err.value.path == path
+
+
+def test_the_slurm_job_passes_the_submitters_wandb_settings_to_the_training_step(tmp_path: Path) -> None:
+    """sbatch exports the submitting shell's environment (WANDB_API_KEY from the login node) and the script's
+    SLURM_EXPORT_ENV=ALL hands it to every step."""
+    script = _stand_in_job(tmp_path, ["logging.wandb.enabled=true"])
+    seen = tmp_path / "seen"
+    _training_step_is(tmp_path, f"import os, pathlib; pathlib.Path({str(seen)!r}).write_text(' '.join(os.environ.get("
+                                "k, '-') for k in ('WANDB_API_KEY', 'WANDB_MODE', 'WANDB_ENTITY')))")
+    env = {**_stand_in_env(tmp_path), "WANDB_API_KEY": "k3y", "WANDB_MODE": "offline", "WANDB_ENTITY": "lab"}
+    result = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert seen.read_text() == "k3y offline lab"
