@@ -18,13 +18,11 @@ from spade_mega.curriculum.rewards import designer_reward
 from spade_mega.curriculum.prompts import PromptBuilder
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
-from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.envs.validate import Reason
 from spade_mega.inference.hf import HFEngine
 from spade_mega.rollout import AgentPlay, ChatTurns, DesignerSlot, PlayedSolvability, Rollout
-from spade_mega.tokenizer import byte_tokenizer
 
-from sandbox_support import strict_config, strict_missing
+from sandbox_support import strict_missing
 from solver_engine import GIVE_UP, ScriptedSolverEngine
 
 pytestmark = pytest.mark.multiproc
@@ -85,15 +83,9 @@ def climb(observation: str):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pool():
-    isolation = "strict" if strict_missing() is None else "best-effort"
-    with SandboxPool(strict_config(isolation=isolation, warm_workers=4, call_timeout_s=1.0)) as p:
-        yield p
+def pool_warm_workers() -> int:
+    """``pool`` (tests/conftest.py) with a warm worker for each of the 4 programs played at once."""
+    return 4
 
 
 def solver(cfg, tokenizer, entries, designs=None) -> ScriptedSolverEngine:

@@ -17,14 +17,12 @@ from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.curriculum.prompts import PromptBuilder
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
-from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.envs.validate import Reason
 from spade_mega.inference.hf import HFEngine
 from spade_mega.rollout import ChatTurns, JudgedSolvability, PlayedSolvability, Rollout, parse_verdict
 from spade_mega.rollout.chat import decode, encode
-from spade_mega.tokenizer import byte_tokenizer
 
-from sandbox_support import strict_config, strict_missing
+from sandbox_support import strict_missing
 from solver_engine import ScriptedSolverEngine
 
 pytestmark = pytest.mark.multiproc
@@ -122,18 +120,6 @@ def test_the_programs_own_lines_are_no_verdict_when_the_reply_quotes_them() -> N
     assert parse_verdict(QUOTES_THE_BOARD, FENCED_BOARD) is not True
     assert parse_verdict(QUOTES_THE_BOARD + "\n```\nSo: \\boxed{no}", FENCED_BOARD) is False
     assert parse_verdict("It can be won.\n\\boxed{yes}", FENCED_BOARD) is True  # the judge's own line counts
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pool():
-    isolation = "strict" if strict_missing() is None else "best-effort"
-    with SandboxPool(strict_config(isolation=isolation, warm_workers=2, call_timeout_s=1.0)) as p:
-        yield p
 
 
 class ScriptedJudge(ScriptedSolverEngine):
