@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.config.loader import load_config
+from spade_mega.config.loader import load_config, to_dict
 from spade_mega.config.schema import WandbConfig
 from spade_mega.monitor.wandb_sink import RUN_ID_FILE, require_wandb
+from sandbox_support import strict_missing
 from test_launch import _stand_in_env, _stand_in_job, _training_step_is
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,13 +120,36 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     assert new_id != first_id and attempts[1][0]["resume"]
 
 
-def test_without_wandb_dir_the_wandb_files_live_in_the_run_directory(tmp_path: Path) -> None:
-    run_dir = tmp_path / "runs" / "tiny"
+# two rollouts of the tiny model, as small as a run gets
+SHORT_RUN = ["selfplay.num_rollouts=2", "selfplay.global_batch_size=4", "rollout.envs_per_rollout=1",
+             "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=1",
+             "rollout.max_response_tokens=8", "rollout.max_designer_tokens=16", "curriculum.corpus.token_budget=32",
+             "logging.tensorboard=false", "logging.progress=false", "eval.interval=0", "eval.before_train=false"]
+
+
+@pytest.mark.slow
+def test_a_training_run_logs_its_records_and_resolved_config_to_wandb(tmp_path: Path) -> None:
+    """`spade-mega train` with logging.wandb on and no WANDB_DIR: the W&B run lives in the run directory, its
+    history is metrics.jsonl's, and its config is the run's config.yaml."""
     env = _env(tmp_path)
     del env["WANDB_DIR"]
-    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1], mode='offline')", env)
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", *SHORT_RUN, *isolation, "logging.wandb.enabled=true",
+                 "logging.wandb.tags=[cpu]"]
+    proc = subprocess.run([sys.executable, "-m", "spade_mega.cli", "train", str(TINY), *overrides],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "tiny_cpu"
     [(run, history)] = _wandb_runs(run_dir / "wandb")
-    assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip() and [h["_step"] for h in history] == [1]
+    assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
+    assert (run["display_name"], run["tags"]) == ("tiny_cpu", ["cpu"])
+    records = _jsonl(run_dir)
+    assert [item["_step"] for item in history] == [r["step"] for r in records] == [1, 2]
+    assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}
+                                                 for r in records]
+    assert {"agent/return", "train/loss", "time/rollout_s"} <= set(history[0])
+    config = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
+    assert config == to_dict(load_config(run_dir / "config.yaml"))
 
 
 # The W&B service process dies between two records (what a W&B outage looks like from the trainer: every call to it
