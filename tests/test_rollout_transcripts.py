@@ -257,7 +257,7 @@ def test_each_record_carries_the_advantage_its_train_sample_carries(tmp_path: Pa
                      for item in released]
     values = advantages(trajectories, 2.0, cfg.rl, cfg.kernels)
     samples = train_samples(trajectories, values)
-    transcript.settle(trajectories, values)
+    transcript.settle(trajectories, values, [True] * len(samples))
 
     trained = [r for r in transcript.records if r["trained"]]
     assert [r["id"] for r in trained] == ["r4-env0-play0", "r4-env0-play1", "r4-env0-play2", "r4-env1-play0",

@@ -290,7 +290,10 @@ class Trainer:
         if self.model_cfg.num_experts:
             compat.reset_moe_metrics()  # process-global: another model may have sized or filled it
         self._run_schedule(micro_batches, loss_fn, forward_only=False)
-        updated, grad_norm, _ = self.optimizer.step()
+        if self._gradients_finite():
+            updated, grad_norm, _ = self.optimizer.step()
+        else:  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)
+            updated, grad_norm = False, None
         if updated:
             self.scheduler.step(increment=1)
         self.step += 1
@@ -316,6 +319,19 @@ class Trainer:
         if aux is not None:
             metrics["moe_load_balancing_loss"] = aux
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient of this step is finite, on every rank (the same answer everywhere). Megatron's
+        optimizers skip a step only under an fp16 loss scaler; in fp32 and bf16 they would apply a NaN or inf
+        gradient and write NaN into every weight. One inf-norm reduction per grad buffer (reduced gradients, in
+        fp32), no copy of it; NaN propagates through it."""
+        norms = [torch.linalg.vector_norm(buffer.grad_data, ord=float("inf")).float().reshape(1)
+                 for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers
+                 if buffer.grad_data.numel()]
+        bad = (~torch.isfinite(torch.cat(norms))).any().float().reshape(1) if norms else \
+            torch.zeros(1, device=self.backend.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def save(self, root: str, *, keep: Optional[int] = None) -> str:
         """Save model, optimizer and schedule as ``root/step_<N>`` (atomic); see checkpoint.save_checkpoint."""

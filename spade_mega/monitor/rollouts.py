@@ -50,7 +50,8 @@ def _facts(record: dict[str, Any]) -> str:
         parts.append(f"reward pending (released at rollout {record.get('reward_rollout')}), not trained yet")
     else:
         parts += [f"reward {_number(record.get('reward'))}", f"advantage {_number(record.get('advantage'))}",
-                  "trained" if record.get("trained") else "not trained"]
+                  "trained" if record.get("trained") else "not trained (its optimizer step was skipped: gradients "
+                  "not finite)" if record.get("step_skipped") else "not trained"]
     tokens = record.get("tokens") or {}
     parts.append(f"tokens {tokens.get('prompt', '?')} prompt + {tokens.get('generated', '?')} generated")
     return " | ".join(parts)

@@ -62,7 +62,7 @@ def write_rollout(run_dir: str | Path, rollout: int, records: Iterable[dict[str,
 
 class BackgroundWriter:
     """Runs one write at a time on a thread: compressing a large rollout's file takes seconds (tools/bench/transcripts),
-    which then overlap the optimizer steps instead of holding rank 0 while every other rank waits for it.
+    which then overlap the weight sync and the next rollout instead of holding rank 0 while every other rank waits.
     ``submit`` first waits for the previous write; ``wait`` before anything that must find the file (the checkpoint
     of that rollout, the end of the run). An exception of a write is raised by the next ``wait`` or ``submit``."""
 

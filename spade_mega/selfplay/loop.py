@@ -226,17 +226,26 @@ class _Actor:
         self.transcript.released(released)
         trajectories += self.designer_trajectories(released, metrics)
         samples: list[TrainSample] = []
+        self.settling: tuple[list[Trajectory], Optional[torch.Tensor]] = (trajectories, None)
         if trajectories:
             values = advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels)
             samples = train_samples(trajectories, values)
-            self.transcript.settle(trajectories, values)
-        self.writer.submit(self.transcript.write, self.run_dir)  # compressed while the trainer steps
+            self.settling = (trajectories, values)
         metrics["envs/count"] = float(len(self.environments))
         metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
         metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
         metrics["designer/pending"] = float(len(self.buffer))
         metrics["memory/environments"] = float(len(self.memory))
         return samples, metrics
+
+    def trained(self, updated: Sequence[bool]) -> None:
+        """The rollout's transcript, once its training is known (``updated[k]``: whether the optimizer step that held
+        the rollout's k-th sample was applied), compressed in the background while the weights sync and the next
+        rollout plays."""
+        trajectories, values = self.settling
+        if values is not None:
+            self.transcript.settle(trajectories, values, updated)
+        self.writer.submit(self.transcript.write, self.run_dir)
 
     def regenerate(self, r: int) -> dict[str, float]:
         """A new environment set: designer outputs, validated, proposed to memory, queued for their reward."""
@@ -503,7 +512,9 @@ class SelfPlay:
                 began = time.perf_counter()
                 samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
                 values["time/rollout_s"] = time.perf_counter() - began
-                values.update(self._train(trainer, samples, r))
+                train_metrics, updated = self._train(trainer, samples, r)
+                values.update(train_metrics)
+                _from_rank0(lambda: actor.trained(updated), share=False)
                 synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
                 values["time/sync_s"] = synced.seconds
                 values["perf/sync_mb_per_s"] = synced.mb_per_s
@@ -533,21 +544,28 @@ class SelfPlay:
             report = build_report(self.run_dir).html
         return RunSummary(self.run_dir, start if checkpoint is not None else None, done, report, stopped)
 
-    def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> dict[str, float]:
-        """The rollout's optimizer steps. Old log-probs come from one forward before the first step, so every step
-        of the rollout clips against the policy that the rollout started from (PPO's minibatch convention)."""
+    def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> tuple[dict[str, float], list[bool]]:
+        """The rollout's optimizer steps: their metrics, and per sample whether its step was applied (a step whose
+        gradients were not finite is skipped). Old log-probs come from one forward before the first step, so every
+        step of the rollout clips against the policy that the rollout started from (PPO's minibatch convention)."""
         if not samples:
-            return {"train/steps": 0.0}
+            return {"train/steps": 0.0}, []
         started = time.perf_counter()
         gaps = []
         for sample, values in zip(samples, trainer.logprobs(samples)):
             sample.old_logprobs = values
             if sample.role == "agent":  # played this rollout with the weights the trainer holds now
                 gaps.append((values - sample.rollout_logprobs)[sample.loss_mask].abs())
-        results: list[StepResult] = [trainer.train_step(batch) for batch in
-                                     optimizer_batches(samples, self.cfg.selfplay.global_batch_size,
-                                                       derive_seed(self.cfg.run.seed, "batch", r))]
+        batches = optimizer_batches(samples, self.cfg.selfplay.global_batch_size,
+                                    derive_seed(self.cfg.run.seed, "batch", r))
+        results: list[StepResult] = [trainer.train_step(batch) for batch in batches]
+        step_of = {id(sample): k for k, batch in enumerate(batches) for sample in batch}
+        updated = [results[step_of[id(sample)]].updated for sample in samples]
         out = {"train/steps": float(len(results)), "train/updated": float(sum(res.updated for res in results))}
+        if out["train/updated"] < out["train/steps"]:
+            log.warning("rollout %d: %d of %d optimizer step(s) skipped, their gradients not finite: %d of %d "
+                        "sample(s) not trained on (train/updated; step_skipped in the rollout's transcript)", r,
+                        len(results) - int(out["train/updated"]), len(results), updated.count(False), len(samples))
         for key in results[0].metrics:
             values = [res.metrics[key] for res in results if key in res.metrics]
             out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
@@ -557,7 +575,7 @@ class SelfPlay:
             out["train/rollout_logprob_abs_diff"] = float(gap.mean())
             out["train/rollout_logprob_abs_diff_max"] = float(gap.max())
         out["time/train_s"] = time.perf_counter() - started
-        return out
+        return out, updated
 
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""

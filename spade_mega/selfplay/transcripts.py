@@ -8,11 +8,13 @@ Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
   the action sent to ``step()``, its step reward and the next observation; return (sum of step rewards, null where
   it overflows a float), the training
   reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
-  program broke are played but never trained on: advantage null).
+  program broke are played but never trained on: advantage null; ``step_skipped``: the optimizer step holding it
+  was skipped, its gradients not finite, so it was not trained on either).
 - ``output`` (role designer): a designer output at its regeneration rollout: decoded prompt, reply, parsed program
   and hint, or the parse error, the validation verdict. It is trained later, when its delayed reward is released.
 - ``reward`` (role designer): written in the rollout that releases a designer output's reward (``id`` is the
-  output's): the reward, its parts (win rate, regret, plateau, or the penalty), why it was masked, the advantage.
+  output's): the reward, its parts (win rate, regret, plateau, or the penalty), why it was masked, the advantage,
+  ``trained`` and ``step_skipped`` as for an episode.
 
 Which sample an advantage belongs to is matched by the identity of its token list: a :class:`Trajectory` holds the
 episode's (or the designer sample's) own list, so the advantage recorded is the one its TrainSample carries.
@@ -114,7 +116,7 @@ class RolloutTranscript:
                 "failure": ep.failure.value if ep.failure else None, "failure_detail": ep.failure_detail or None,
                 "malformed_actions": ep.malformed_actions, "finish_reasons": list(ep.finish_reasons),
                 "return": total if math.isfinite(total := episode_return(ep.step_rewards)) else None,
-                "reward": ep.reward, "advantage": None, "trained": False,
+                "reward": ep.reward, "advantage": None, "trained": False, "step_skipped": False,
                 "tokens": _tokens(seq, prompt)}
             self.records.append(record)
             if ep.trainable:
@@ -132,19 +134,27 @@ class RolloutTranscript:
                       "valid": s.metadata.get("valid"), "rejection": s.metadata.get("rejection"),
                       "reward": reward.value, "mask_reason": reward.mask_reason,
                       "components": dict(reward.components), "advantage": None, "trained": False,
+                      "step_skipped": False,
                       "tokens": {"prompt": len(s.loss_mask) - sum(s.loss_mask), "generated": sum(s.loss_mask),
                                  "total": len(s.token_ids)}}
             self.records.append(record)
             self._trainable[id(s.token_ids)] = record
 
-    def settle(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor) -> None:
-        """Each trajectory's training reward, advantage and whether it is trained on (a masked designer reward: not,
-        advantage null), into its record."""
+    def settle(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor, updated: Sequence[bool]) -> None:
+        """Each trajectory's training reward, advantage and whether it was trained on, into its record: a masked
+        designer reward is not (advantage null), nor a sample whose optimizer step was skipped (``step_skipped``:
+        its gradients were not finite). ``updated[k]`` is whether the step of the k-th valid trajectory (the k-th
+        TrainSample) was applied."""
         if not self.enabled:
             return
+        if sum(t.valid for t in trajectories) != len(updated):
+            raise ValueError(f"{len(updated)} step outcomes for {sum(t.valid for t in trajectories)} trained samples")
+        steps = iter(updated)
         for t, advantage in zip(trajectories, advantages.tolist()):
             record = self._trainable[id(t.token_ids)]
-            record.update(reward=t.reward, advantage=advantage if t.valid else None, trained=t.valid)
+            applied = next(steps) if t.valid else False
+            record.update(reward=t.reward, advantage=advantage if t.valid else None, trained=applied,
+                          step_skipped=t.valid and not applied)
 
     def write(self, run_dir: Path) -> Optional[Path]:
         """The rollout's file; a transcript that cannot be written (disk full, folder not writable) is a warning:
