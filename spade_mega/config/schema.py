@@ -179,6 +179,21 @@ class InferenceConfig:
 
 
 @dataclass
+class FixedEnvConfig:
+    """An environment program file (the contract of docs/environments.md) the agent trains on with the designer off:
+    ``selfplay.environments``. The hint and the skill travel beside the program, as a designer's do."""
+
+    path: str = ""  # relative to the working directory
+    hint: str = ""
+    skill: str = ""
+
+    def check(self, path: str = "selfplay.environments") -> None:
+        _require(self.path.endswith(".py"), f"{path}.path", f"must name a Python program file, got {self.path!r}")
+        _require(bool(self.skill), f"{path}.skill", "must name the program's skill (the label of its memory "
+                 "records and per-skill trackers)")
+
+
+@dataclass
 class SelfPlayConfig:
     """The SPADE schedule: how many rollouts, how often the designer regenerates, how long its update is delayed."""
 
@@ -192,11 +207,16 @@ class SelfPlayConfig:
     # skills, so the agent always has its envs_per_rollout environments; they never pay a designer. A tiny random
     # model never writes a valid program: without it the demo would train on nothing but designer penalties.
     library_fallback: bool = True
+    # Agent-only training: with programs here the designer is off and every rollout plays exactly these (one
+    # environment per slot: rollout.envs_per_rollout must equal their number); nothing pays a designer.
+    environments: list[FixedEnvConfig] = field(default_factory=list)
 
     def check(self) -> None:
         _positive("selfplay", self, "num_rollouts", "regen_interval", "global_batch_size", "save_interval",
                   "keep_checkpoints")
         _require(self.designer_delay >= 0, "selfplay.designer_delay", f"must be >= 0, got {self.designer_delay}")
+        for i, env in enumerate(self.environments):
+            env.check(f"selfplay.environments[{i}]")
 
 
 @dataclass
@@ -781,8 +801,12 @@ class SpadeConfig:
             _require(self.rollout.max_context_tokens <= m.max_position_embeddings, "rollout.max_context_tokens",
                      f"must be <= model.max_position_embeddings ({m.max_position_embeddings}): every episode and "
                      f"designer sample grows up to it; got {self.rollout.max_context_tokens}")
-        r = self.rewards
-        if r.variant == "regret" or (r.variant == "blend" and r.regret_weight > 0):
+        r, fixed = self.rewards, self.selfplay.environments
+        if fixed:
+            _require(self.rollout.envs_per_rollout == len(fixed), "rollout.envs_per_rollout",
+                     f"must equal the number of selfplay.environments ({len(fixed)}), which every rollout plays; got "
+                     f"{self.rollout.envs_per_rollout}")
+        elif r.variant == "regret" or (r.variant == "blend" and r.regret_weight > 0):  # a designer to pay
             _require(self.rollout.hint_plays_per_env > 0, "rollout.hint_plays_per_env",
                      f"must be > 0: rewards.variant {r.variant!r} measures regret with hint plays")
         if r.variant == "micro_lp":

@@ -41,8 +41,9 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import prepare_run_dir, to_dict
-from spade_mega.config.schema import SpadeConfig
+from spade_mega.config.schema import FixedEnvConfig, SpadeConfig
 from spade_mega.curriculum.corpus import Corpus, GroundingSampler
 from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.curriculum.prompts import PromptBuilder
@@ -139,6 +140,7 @@ class _Actor:
         self.closing: list[Any] = []
         self.writer = transcripts.BackgroundWriter()
         try:
+            self.fixed = [_fixed_program(env, i) for i, env in enumerate(cfg.selfplay.environments)]
             tokenizer = load_tokenizer(cfg.model.tokenizer)
             registry = SkillRegistry.from_config(cfg.curriculum)
             self.scheduler = SkillScheduler(registry, cfg.curriculum.active_skills)
@@ -234,6 +236,7 @@ class _Actor:
         metrics["envs/count"] = float(len(self.environments))
         metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
         metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
+        metrics["envs/fixed"] = float(sum(e.origin == "fixed" for e in self.environments))
         metrics["designer/pending"] = float(len(self.buffer))
         metrics["memory/environments"] = float(len(self.memory))
         return samples, metrics
@@ -251,6 +254,8 @@ class _Actor:
         """A new environment set: designer outputs, validated, proposed to memory, queued for their reward."""
         from spade_mega.rollout import DesignerSlot
 
+        if self.fixed:
+            return self.fixed_set(r)
         cfg, mem = self.cfg, self.cfg.curriculum.memory
         self.active_skills = self.scheduler.next_active()
         slots = []
@@ -317,20 +322,39 @@ class _Actor:
             entry = random.Random(derive_seed(self.cfg.run.seed, "library", r, i)).choice(entries)
             p = entry.program()
             chosen.append((i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i})))
-        # no solvability check: the library's programs are solved by their scripted oracles
-        # (tests/test_env_library_sandbox.py plays each to its target return)
-        reports = self.rollouts.validator.validate_many([p for _, p in chosen], solvability=False)
-        self.memory.propose_many(p for _, p in chosen)
         envs = []
-        for (i, program), report in zip(chosen, reports):
-            self.memory.set_validation(program.content_hash, report.ok,
-                                       None if report.reason is None else report.reason.value)
+        for (i, program), report in zip(chosen, self._validated(chosen)):
             if report.ok:
                 envs.append(ActiveEnv(program, "library", i, r))
             else:
                 log.warning("library program %s failed validation (%s: %s); its slot stays empty",
                             program.provenance.get("name"), report.reason.value if report.reason else "", report.detail)
         return envs
+
+    def fixed_set(self, r: int) -> dict[str, float]:
+        """``selfplay.environments`` (the designer off): the same programs at every regeneration, each checked by the
+        validator like a designer's; one that fails stops the run, naming its file."""
+        chosen = [(i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i}))
+                  for i, p in enumerate(self.fixed)]
+        for (i, program), report in zip(chosen, self._validated(chosen)):
+            if not report.ok:
+                raise ConfigError(f"selfplay.environments[{i}].path",
+                                  f"{program.provenance['path']} is not a valid environment program "
+                                  f"({report.reason.value if report.reason else ''}: {report.detail})")
+        self.active_skills = list(dict.fromkeys(p.skill for _, p in chosen))
+        self.environments = [ActiveEnv(program, "fixed", i, r) for i, program in chosen]
+        return {}
+
+    def _validated(self, chosen: Sequence[tuple[int, EnvProgram]]) -> list[Any]:
+        """The validator's reports of programs the designer did not write (library, fixed), which are proposed to the
+        memory with their verdict. No solvability check: the library's programs are solved by their scripted oracles
+        (tests/test_env_library_sandbox.py plays each to its target return), fixed ones are the user's choice."""
+        reports = self.rollouts.validator.validate_many([p for _, p in chosen], solvability=False)
+        self.memory.propose_many(p for _, p in chosen)
+        for (_, program), report in zip(chosen, reports):
+            self.memory.set_validation(program.content_hash, report.ok,
+                                       None if report.reason is None else report.reason.value)
+        return reports
 
     def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
         """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers."""
@@ -591,6 +615,15 @@ class SelfPlay:
         trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
         if actor is not None:
             self.store.prune_states()
+
+
+def _fixed_program(env: FixedEnvConfig, i: int) -> EnvProgram:
+    """The program file of ``selfplay.environments[i]``, as text (it runs only in the sandbox)."""
+    try:
+        source = Path(env.path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}: {exc}") from None
+    return EnvProgram(source, env.hint, env.skill, {"origin": "fixed", "name": Path(env.path).stem, "path": env.path})
 
 
 def _rejection_metrics(outcomes: Sequence[Any]) -> dict[str, float]:

@@ -29,7 +29,7 @@ STATE_FORMAT = "spade-mega.selfplay-state"
 STATE_VERSION = 1
 STATE_DIR = "selfplay"
 CHECKPOINT_DIR = "checkpoints"
-Origin = Literal["designer", "library"]
+Origin = Literal["designer", "library", "fixed"]
 
 
 class ResumeError(SpadeError):
@@ -49,7 +49,8 @@ class ActiveEnv:
 
     ``origin`` "designer": written by the designer at ``iteration`` and paid through the delayed buffer; "library":
     a reference program that filled a slot the designer left empty (``selfplay.library_fallback``), never paying a
-    designer. ``env_id`` is the program's content hash (the memory's and the buffer's key)."""
+    designer; "fixed": one of ``selfplay.environments`` (agent-only training, the designer off). ``env_id`` is the
+    program's content hash (the memory's and the buffer's key)."""
 
     program: EnvProgram
     origin: Origin
@@ -74,8 +75,8 @@ class ActiveEnv:
         if data["program"].get("content_hash") not in (None, program.content_hash):
             raise ValueError(f"environment in slot {data.get('slot')!r}: its content hash does not match its "
                              "source, hint and skill (edited by hand?)")
-        if data["origin"] not in ("designer", "library"):
-            raise ValueError(f"environment origin must be 'designer' or 'library', got {data['origin']!r}")
+        if data["origin"] not in ("designer", "library", "fixed"):
+            raise ValueError(f"environment origin must be 'designer', 'library' or 'fixed', got {data['origin']!r}")
         return cls(program, data["origin"], int(data["slot"]), int(data["iteration"]))
 
 
