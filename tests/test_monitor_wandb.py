@@ -51,7 +51,8 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb-files"), WANDB_SILENT="true",
                WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
-               WANDB_DATA_DIR=str(tmp_path / "wandb-data"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+               WANDB_DATA_DIR=str(tmp_path / "wandb-data"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(extra)
     (tmp_path / "wandb-files").mkdir(exist_ok=True)
     return env
 
@@ -188,6 +189,31 @@ def test_a_wandb_failure_mid_run_is_said_once_and_jsonl_and_tensorboard_go_on(tm
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("agent/return")] == [(1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)]
+
+
+# wandb.init failing for real: online mode with no API key anywhere (no $WANDB_API_KEY, no ~/.netrc)
+INIT_FAILS = LOG_STEPS + """
+from spade_mega.monitor import WandbError
+try:
+    log_steps(sys.argv[1], [1, 2], mode="online")
+except WandbError as exc:
+    print("refused:", exc)
+log_steps(sys.argv[1], [3, 4], resume_step=2, mode="online")
+print("trained on")
+"""
+
+
+def test_wandb_failing_at_start_stops_a_new_run_and_not_a_resumed_one(tmp_path: Path) -> None:
+    """A new run learns at once that W&B cannot start (before its first rollout); a requeued run resuming from its
+    checkpoint (a network outage at that moment) goes on with metrics.jsonl and TensorBoard, saying so once."""
+    (tmp_path / "home").mkdir()
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", INIT_FAILS, str(run_dir)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=_env(tmp_path, WANDB_MODE="online", HOME=str(tmp_path / "home")))
+    assert proc.returncode == 0 and "trained on" in proc.stdout, proc.stderr[-4000:]
+    assert "refused: logging.wandb: wandb.init failed" in proc.stdout and "wandb login" in proc.stdout
+    assert proc.stderr.count("W&B logging failed") == 1, proc.stderr[-4000:]
+    assert [r["step"] for r in _jsonl(run_dir)] == [3, 4]
 
 
 # `spade-mega train` with logging.wandb on, in a process where wandb cannot be imported (sys.modules['wandb'] = None

@@ -10,8 +10,9 @@ in the directory (its JSONL records are set aside) starts a new W&B run. W&B's h
 interrupted attempt sent after its last checkpoint stay there, and W&B ignores this attempt's records of those steps
 (metrics.jsonl and TensorBoard show this attempt's).
 
-Failures: wandb.init failing at start (no API key, no network in online mode) stops the run there, naming the
-setting. Any W&B error after that (its service process gone, say) is said once; the sink then goes quiet and
+Failures: wandb.init failing at the start of a new run (no API key, no network in online mode) stops the run there,
+before its first rollout, naming the setting. Any W&B error after that (its service process gone, say), and a failing
+wandb.init when resuming (a requeued job meeting a W&B outage), is said once; the sink then goes quiet and
 metrics.jsonl and TensorBoard go on, so monitoring never kills training.
 """
 
@@ -79,14 +80,18 @@ class WandbSink:
                  run_config: Optional[Mapping[str, Any]] = None) -> None:
         self._wandb = import_wandb()
         run_id = _run_id(run_dir, resume_step)
+        self._run: Any = None
         try:
-            self._run: Any = self._wandb.init(
+            self._run = self._wandb.init(
                 project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name or run_dir.name,
                 tags=list(cfg.tags) or None, mode=cfg.mode, id=run_id, resume="allow",
                 config=dict(run_config) if run_config is not None else None,
                 # wandb's files beside the run's own, unless $WANDB_DIR puts them elsewhere (a scratch file system)
                 dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
         except Exception as exc:
+            if resume_step is not None:  # a requeued job must not die of a W&B outage at its restart
+                self._stop(f"to start when resuming from step {resume_step}", exc)
+                return
             raise WandbError(f"logging.wandb: wandb.init failed for run id {run_id} ({type(exc).__name__}: {exc}); "
                              "online mode needs an API key (wandb login, or $WANDB_API_KEY) and the network, or set "
                              "logging.wandb.mode=offline and `wandb sync` the run later") from exc
