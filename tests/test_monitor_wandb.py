@@ -18,7 +18,8 @@ import pytest
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config, to_dict
-from spade_mega.config.schema import WandbConfig
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
 from spade_mega.monitor.wandb_sink import RUN_ID_FILE, require_wandb
 from sandbox_support import strict_missing
 from test_launch import _stand_in_env, _stand_in_job, _training_step_is
@@ -254,6 +255,16 @@ def test_a_disabled_wandb_needs_no_package(monkeypatch: pytest.MonkeyPatch) -> N
     require_wandb(WandbConfig(enabled=True, mode="disabled"))
     monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B's own switch, e.g. for a debugging run
     require_wandb(WandbConfig(enabled=True))
+
+
+def test_only_the_writing_rank_starts_a_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of a job checks and drops its records: it never imports wandb (made unimportable here, so an import
+    would raise) and writes no run id."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True, mode="offline"))
+    with MetricsLogger(tmp_path / "run", cfg, rank=1) as metrics:
+        metrics.log(1, {"agent/return": 1.0})
+    assert not (tmp_path / "run").exists()
 
 
 NO_WANDB_IMPORT = """
