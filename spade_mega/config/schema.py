@@ -169,6 +169,11 @@ class InferenceConfig:
     request_timeout_s: float = 600.0  # one completion, or one weight reload
     concurrency: int = 64  # requests in flight per server (the server batches them)
     weight_sync_dir: Optional[str] = None  # where updates are staged for the servers to load; None: /dev/shm
+    # Servers sharing the trainer's GPUs free their weights' and KV cache's memory while the trainer steps and take it
+    # back around the weight sync. auto: on for sglang/vllm placed colocated (launch.engine_placement auto too) on a
+    # machine with a GPU; they need --enable-memory-saver / --enable-sleep-mode (the launcher and a run that starts
+    # its own server add it). Not for the hf engine, which runs inside the trainer's process.
+    release_memory: Literal["auto", True, False] = "auto"
 
     def check(self) -> None:
         _positive("inference", self, "max_batch_size", "tensor_parallel", "startup_timeout_s", "request_timeout_s",
@@ -817,6 +822,9 @@ class SpadeConfig:
         _require(placement in ("auto", "in_process") or engine != "hf", "launch.engine_placement",
                  f"{placement!r} starts engine servers: needs rollout.engine sglang or vllm, got 'hf' (which runs "
                  "in-process on global rank 0; use placement 'in_process' or 'auto')")
+        _require(self.inference.release_memory is not True or engine != "hf", "inference.release_memory",
+                 "true needs a server engine (rollout.engine sglang or vllm): the hf engine runs inside the trainer's "
+                 "process, with no server to release memory (use auto or false)")
         _require(placement != "in_process" or engine == "hf", "launch.engine_placement",
                  f"'in_process' needs rollout.engine 'hf', got {engine!r} (a server engine is 'colocated' or "
                  "'separate')")

@@ -7,10 +7,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from spade_mega.config.schema import SpadeConfig
-from spade_mega.inference.base import Engine, EngineError, Generation, GenerationRequest, SamplingParams
+import torch
 
-__all__ = ["Engine", "EngineError", "Generation", "GenerationRequest", "SamplingParams", "build_engine"]
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.inference.base import (
+    Engine,
+    EngineError,
+    Generation,
+    GenerationRequest,
+    MemoryReleasing,
+    SamplingParams,
+)
+
+__all__ = ["Engine", "EngineError", "Generation", "GenerationRequest", "MemoryReleasing", "SamplingParams",
+           "build_engine", "releases_memory"]
+
+
+def releases_memory(cfg: SpadeConfig) -> bool:
+    """``inference.release_memory`` resolved. auto: on when the servers share the trainer's GPUs, which is a server
+    engine placed ``colocated`` (what placement auto gives it) on a machine with a GPU; the same on every rank."""
+    setting = cfg.inference.release_memory
+    if setting != "auto":
+        return bool(setting)
+    return (cfg.rollout.engine != "hf" and cfg.launch.engine_placement in ("auto", "colocated")
+            and torch.cuda.is_available())
 
 
 def build_engine(cfg: SpadeConfig, tokenizer: Any) -> Engine:

@@ -84,3 +84,29 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine (stop its server, free its memory). Idempotent."""
         ...
+
+
+MemoryTag = Literal["weights", "kv_cache"]
+MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache")  # the order a released engine takes them back in
+
+
+@runtime_checkable
+class MemoryReleasing(Protocol):
+    """What an engine whose servers share the trainer's GPUs (``launch.engine_placement`` colocated) adds: it hands
+    their GPU memory back while the trainer steps, and takes it back tag by tag around the weight sync (weights,
+    the reload, then the KV cache: the reload needs the weights' memory, not yet the cache's). The in-process hf
+    engine has no such part: it is the trainer's own process (on GPU, its memory is the trainer's to manage).
+
+    ``releases_memory`` says whether this run uses it (``inference.release_memory``); an engine that does refuses
+    to generate or reload while memory it needs is released."""
+
+    releases_memory: bool
+
+    def release_memory(self) -> None:
+        """Free the weights' and the KV cache's GPU memory; their contents are gone (the next update reloads every
+        weight, the cache refills)."""
+        ...
+
+    def resume_memory(self, tag: MemoryTag) -> None:
+        """Take back the GPU memory of ``tag`` released by :meth:`release_memory` (nothing if it was not)."""
+        ...

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.inference.base import EngineError, Generation, GenerationRequest
+from spade_mega.inference.base import MEMORY_TAGS, EngineError, Generation, GenerationRequest, MemoryTag
 
 log = logging.getLogger(__name__)
 
@@ -303,9 +303,14 @@ class ServerEngine(ABC):
     generate_path = "/generate"
 
     def __init__(self, servers: Sequence[Server], model_dir: Path, *, eos_token_id: int, concurrency: int = 64,
-                 request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None) -> None:
+                 request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None,
+                 release_memory: bool = False) -> None:
         if not servers:
             raise EngineError(f"{self.name} engine: no server to talk to")
+        self.releases_memory = release_memory
+        self._released: dict[str, set[str]] = {server.url: set() for server in servers}  # memory tags, per server
+        if release_memory:  # before anything else: a server that cannot release fails the run at its start
+            self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
         self.servers, self.model_dir = list(servers), Path(model_dir)
         self.eos_token_id = eos_token_id
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
@@ -343,8 +348,11 @@ class ServerEngine(ABC):
                env: Optional[Mapping[str, str]] = None, startup_timeout_s: float = 600.0,
                log_path: Optional[Path] = None, **engine_kwargs: Any) -> "ServerEngine":
         """Start a server on ``model_dir`` (a Hugging Face folder with safetensors weights) on a free local port and
-        return the engine over it. ``dtype`` auto: the checkpoint's own (config.json), not the server's choice."""
+        return the engine over it. ``dtype`` auto: the checkpoint's own (config.json), not the server's choice.
+        An engine that releases its memory (``release_memory``) starts it with :attr:`memory_release_flag`."""
         model_dir = Path(model_dir)
+        if engine_kwargs.get("release_memory"):
+            server_args = [cls.memory_release_flag, *server_args]
         if dtype == "auto":
             config = json.loads((model_dir / "config.json").read_text())
             dtype = str(config.get("torch_dtype") or config.get("dtype") or "auto")
@@ -373,11 +381,19 @@ class ServerEngine(ABC):
         """The run's engine: attached to ``inference.server_urls`` (or $SPADE_ENGINE_URLS, set by the SLURM
         launcher), else a server started here on ``inference.hf_weights`` (else on a randomly initialised folder
         of ``model`` written into the run directory: the bridge pushes the trainer's weights before any rollout)."""
+        from spade_mega.inference import releases_memory
+
         inf = cfg.inference
         common = dict(eos_token_id=tokenizer.eos_token_id, concurrency=inf.concurrency,
                       request_timeout_s=inf.request_timeout_s, startup_timeout_s=inf.startup_timeout_s,
-                      weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None)
+                      weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None,
+                      release_memory=releases_memory(cfg))
         urls = list(inf.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
+        if common["release_memory"] and not urls and not torch.cuda.is_available():
+            raise ConfigError("inference.release_memory", f"is true, but the {cls.name} server this run starts would "
+                                                          "run on the CPU (torch sees no GPU here), where it has no "
+                                                          "GPU memory to release and no way to: set it to auto or "
+                                                          "false")
         if inf.hf_weights:  # before any server is started or waited for
             folder = Path(inf.hf_weights)
             problem = ("is not a folder" if not folder.is_dir() else
@@ -409,12 +425,71 @@ class ServerEngine(ABC):
     def weight_version(self) -> int:
         return self._version
 
+    # ---- GPU memory (servers colocated with the trainer) --------------------------------------------------------
+
+    # the server option without which the release endpoints answer but free nothing
+    memory_release_flag = ""
+
+    def release_memory(self) -> None:
+        """Every server frees its weights' and KV cache's GPU memory, concurrently (see
+        :class:`~spade_mega.inference.base.MemoryReleasing`)."""
+        self._in_parallel(self._release_one, [(server,) for server in self.servers], len(self.servers))
+
+    def resume_memory(self, tag: MemoryTag) -> None:
+        """Every server that released ``tag`` takes its memory back, concurrently."""
+        holders = [(server, tag) for server in self.servers if tag in self._released[server.url]]
+        if holders:
+            self._in_parallel(self._resume_one, holders, len(holders))
+
+    def _release_one(self, server: Server) -> None:
+        try:
+            self._release(server)
+        except EngineError as exc:
+            raise EngineError(f"{self.name} server at {server.url} did not release its GPU memory ({exc}), so the "
+                              f"trainer would step beside its weights and KV cache; start it with "
+                              f"{self.memory_release_flag} or set inference.release_memory: false") from None
+        self._released[server.url].update(MEMORY_TAGS)
+
+    def _resume_one(self, server: Server, tag: MemoryTag) -> None:
+        try:
+            self._resume(server, tag, last=self._released[server.url] == {tag})
+        except EngineError as exc:
+            raise EngineError(f"{self.name} server at {server.url} did not take back the GPU memory of its {tag} "
+                              f"({exc}): it cannot serve until it does; its log says why") from None
+        self._released[server.url].discard(tag)
+
+    def _check_release(self, server: Server) -> None:
+        problem = self._release_problem(server)
+        if problem:
+            raise EngineError(f"{self.name} server at {server.url} cannot release its GPU memory while the trainer "
+                              f"steps: {problem}; or set inference.release_memory: false")
+
+    def _released_tags(self) -> set[str]:
+        return set().union(*self._released.values())
+
+    @abstractmethod
+    def _release(self, server: Server) -> None:
+        """Have ``server`` free the GPU memory of its weights and KV cache; raise :class:`EngineError` if it
+        refuses."""
+
+    @abstractmethod
+    def _resume(self, server: Server, tag: MemoryTag, *, last: bool) -> None:
+        """Have ``server`` take back the memory of ``tag`` (``last``: nothing else of it is released after this)."""
+
+    @abstractmethod
+    def _release_problem(self, server: Server) -> Optional[str]:
+        """Why ``server`` cannot release its memory (started without :attr:`memory_release_flag`), else None."""
+
     # ---- generation -------------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         if self._broken is not None:
             raise EngineError(f"{self.name} engine: {self._broken}; a complete update_weights must succeed before "
                               "it generates again")
+        released = self._released_tags()
+        if released:  # a sleeping vLLM server queues requests until it wakes: they would wait out their timeout
+            raise EngineError(f"{self.name} engine: its servers released the GPU memory of their "
+                              f"{' and '.join(sorted(released))}; resume_memory must take it back before it generates")
         for index, request in enumerate(requests):
             self._check_request(index, request)
         if not requests:
@@ -488,6 +563,9 @@ class ServerEngine(ABC):
     # ---- weights ----------------------------------------------------------------------------------------------
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        if "weights" in self._released_tags():
+            raise EngineError(f"{self.name} engine: its servers released the GPU memory of their weights; "
+                              f"resume_memory('weights') must take it back before weight update {version}")
         with self._lock:
             folder = self._stage(buckets, version)
             try:
@@ -566,7 +644,14 @@ class ServerEngine(ABC):
     # ---- lifetime ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for server in self.servers:
+        for server in self.servers:  # a server someone else runs stays: awake, for whoever attaches next
+            if server.process is None:
+                for tag in (tag for tag in MEMORY_TAGS if tag in self._released[server.url]):
+                    try:
+                        self._resume_one(server, tag)
+                    except EngineError as exc:
+                        log.warning("%s", exc)
+                        break
             server.stop()
         if self._own_sync_root:  # a shared weight_sync_dir holds nothing of ours by now
             shutil.rmtree(self._sync_root, ignore_errors=True)

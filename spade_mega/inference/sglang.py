@@ -6,6 +6,11 @@ and only its request/response translation is tested (tests/test_inference_vllm.p
 ``POST /generate`` with ``input_ids``, ``sampling_params`` and ``return_logprob`` (reply: ``meta_info`` with
 ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples and ``finish_reason.type``),
 ``POST /update_weights_from_disk`` (``model_path``, ``weight_version``; reply ``success``/``message``), ``GET /health``.
+A server colocated with the trainer (``inference.release_memory``, started with ``--enable-memory-saver``, which
+``GET /get_server_info`` reports as ``enable_memory_saver``) frees its memory with ``POST /release_memory_occupation``
+``{"tags": ["weights", "kv_cache"]}`` and takes it back tag by tag with ``POST /resume_memory_occupation`` ``{"tags":
+[tag]}`` (both answer ``null``; an error is HTTP 400 ``{"error": {"message"}}``). Only what was released is resumed:
+SGLang's scheduler fails on a tag it holds (``offload_tags.remove``).
 
 Log-probs. SGLang's sampler returns the log-probs of the temperature-scaled distribution before top-p/top-k
 truncation, exactly what the trainer recomputes, unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` asks for the raw
@@ -20,9 +25,9 @@ the trainer to share CUDA memory or a process group with the server: not wired h
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from spade_mega.inference.base import EngineError, GenerationRequest
+from spade_mega.inference.base import MEMORY_TAGS, EngineError, GenerationRequest, MemoryTag
 from spade_mega.inference.server import Server, ServerEngine
 
 
@@ -69,6 +74,22 @@ class SGLangEngine(ServerEngine):
         if not (isinstance(reply, dict) and reply.get("success")):
             message = reply.get("message") if isinstance(reply, dict) else reply
             raise EngineError(f"SGLang server at {server.url} refused the weights in {folder}: {message}")
+
+    memory_release_flag = "--enable-memory-saver"
+
+    def _release(self, server: Server) -> None:
+        server.request("POST", "/release_memory_occupation", {"tags": list(MEMORY_TAGS)},
+                       timeout_s=self.request_timeout_s)
+
+    def _resume(self, server: Server, tag: MemoryTag, *, last: bool) -> None:
+        server.request("POST", "/resume_memory_occupation", {"tags": [tag]}, timeout_s=self.request_timeout_s)
+
+    def _release_problem(self, server: Server) -> Optional[str]:
+        info = server.request("GET", "/get_server_info", timeout_s=120.0)
+        if not isinstance(info, dict) or "enable_memory_saver" not in info:
+            return f"GET /get_server_info does not say whether it has enable_memory_saver: {str(info)[:300]}"
+        return None if info["enable_memory_saver"] else \
+            "it was started without --enable-memory-saver (its release would free nothing): restart it with it"
 
 
 from_config = SGLangEngine.from_config

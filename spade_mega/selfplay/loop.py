@@ -13,7 +13,9 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
    The plays go to the buffer (designer environments), the memory (every environment) and the per-skill trackers.
 3. Agent advantages per environment group; designer samples whose delay expired are released with their reward and
    centred per skill (times ``env_reward_scale``); the mixed batch is cut into optimizer steps of
-   ``selfplay.global_batch_size``; after the last step the new weights are streamed into the engine.
+   ``selfplay.global_batch_size``; after the last step the new weights are streamed into the engine. Servers that
+   share the trainer's GPUs (``inference.release_memory``) free their GPU memory at the end of rank 0's rollout,
+   before any rank steps, and take it back around the sync: their weights' memory, the reload, their KV cache.
 4. Every ``selfplay.save_interval`` rollouts (and after the last) the trainer's checkpoint and the loop's state are
    saved together (state.py).
 5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync and that
@@ -36,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,9 @@ from spade_mega.selfplay.state import (
 )
 from spade_mega.selfplay.transcripts import RolloutTranscript
 from spade_mega.tokenizer import check_folder_tokenizer
+
+if TYPE_CHECKING:
+    from spade_mega.bridge.sync import SyncStats
 
 log = logging.getLogger("spade_mega.selfplay")
 T = TypeVar("T")
@@ -131,7 +136,7 @@ class _Actor:
     """Rank 0's side of the loop: engine, sandbox, memory, curriculum, the delayed buffer; produces the samples."""
 
     def __init__(self, cfg: SpadeConfig, run_dir: Path) -> None:
-        from spade_mega.inference import build_engine
+        from spade_mega.inference import build_engine, releases_memory
         from spade_mega.evaluation import Evaluator
         from spade_mega.rollout import Rollout
         from spade_mega.tokenizer import load_tokenizer
@@ -152,6 +157,7 @@ class _Actor:
             self.closing.append(self.pool)
             self.engine = build_engine(cfg, tokenizer)
             self.closing.append(self.engine)
+            self.releases_memory = releases_memory(cfg)
             self.rollouts = Rollout(cfg, self.engine, self.pool, PromptBuilder.from_config(cfg, tokenizer))
             # its suites are read (and checked) now, so a missing data file fails before the first rollout
             self.evaluator = Evaluator(cfg, self.engine, tokenizer, self.pool) \
@@ -239,6 +245,10 @@ class _Actor:
         metrics["envs/fixed"] = float(sum(e.origin == "fixed" for e in self.environments))
         metrics["designer/pending"] = float(len(self.buffer))
         metrics["memory/environments"] = float(len(self.memory))
+        if self.releases_memory:  # the trainer steps next on the same GPUs; every rank waits for this rollout
+            started = time.perf_counter()
+            self.engine.release_memory()
+            metrics["time/engine_release_s"] = time.perf_counter() - started
         return samples, metrics
 
     def trained(self, updated: Sequence[bool]) -> None:
@@ -539,7 +549,7 @@ class SelfPlay:
                 train_metrics, updated = self._train(trainer, samples, r)
                 values.update(train_metrics)
                 _from_rank0(lambda: actor.trained(updated), share=False)
-                synced = sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
+                synced = self._sync(trainer, actor, values)
                 values["time/sync_s"] = synced.seconds
                 values["perf/sync_mb_per_s"] = synced.mb_per_s
                 stopped = stop.agreed(trainer.backend.device) and r < total
@@ -600,6 +610,29 @@ class SelfPlay:
             out["train/rollout_logprob_abs_diff_max"] = float(gap.max())
         out["time/train_s"] = time.perf_counter() - started
         return out, updated
+
+    def _sync(self, trainer: Trainer, actor: Optional[_Actor], values: dict[str, float]) -> "SyncStats":
+        """The trainer's new weights into the engine (collective). An engine that released its GPU memory for the
+        step takes back its weights' first, reloads, then takes back its KV cache (evaluation and the next rollout
+        generate); each on rank 0 alone, its failure raised on every rank. The time taken is
+        ``time/engine_resume_s``."""
+        from spade_mega.bridge import sync_weights
+        from spade_mega.inference import releases_memory
+
+        engine = actor.engine if actor is not None else None
+        if not releases_memory(self.cfg):
+            return sync_weights(trainer, engine, trainer.step)
+
+        def resume(tag: str) -> float:
+            assert engine is not None  # rank 0's
+            started = time.perf_counter()
+            engine.resume_memory(tag)
+            return time.perf_counter() - started
+
+        took = _from_rank0(lambda: resume("weights"), share=True)
+        synced = sync_weights(trainer, engine, trainer.step)
+        values["time/engine_resume_s"] = took + _from_rank0(lambda: resume("kv_cache"), share=True)
+        return synced
 
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""

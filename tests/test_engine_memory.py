@@ -1,0 +1,387 @@
+"""Colocated engine servers hand their GPU memory back while the trainer steps (``inference.release_memory``).
+
+Neither memory mechanism can run on this machine: SGLang needs CUDA, and vLLM has no sleep mode on CPU (its real CPU
+server, in tests/test_inference_vllm.py, is refused by name and runs the sleep / wake protocol without freeing
+anything). So the engines here talk to :class:`MemoryServer`, an HTTP server written from the servers' own sources,
+that keeps their state as they do and records every call:
+
+- SGLang (python/sglang/srt/entrypoints/http_server.py, managers/scheduler_update_weights_mixin.py):
+  ``GET /get_server_info`` carries the server args (``enable_memory_saver``); ``POST /release_memory_occupation`` and
+  ``/resume_memory_occupation`` take ``{"tags": [...]}`` (None or empty: all) and answer ``null``, an error as HTTP
+  400 ``{"error": {"message"}}``; resuming a tag that is not released fails (``offload_tags.remove``).
+- vLLM 0.32 (vllm/entrypoints/serve/dev/sleep/api_router.py, dev/server_info/api_router.py, v1/executor/abstract.py):
+  ``POST /sleep?level=0..2`` answers ``{"status": "sleeping", "level"}`` (a level past 2 is HTTP 400);
+  ``POST /wake_up?tags=...`` answers ``{"status": "awake"}`` once no tag sleeps, else ``"sleeping"``;
+  ``GET /server_info?config_format=json`` carries ``vllm_config.model_config.enable_sleep_mode``.
+
+A server refuses, as the real ones fail, to generate or reload while memory they need is released. What is checked:
+the engine calls every server with those requests, in the order release -> resume(weights) -> reload ->
+resume(kv_cache); a server that cannot or will not release is an error naming it and what to do; closing the engine
+wakes an attached server; nothing is called when the setting is off; and in the real self-play loop (two ranks) the
+release comes before any rank's trainer touches the step and the resume around the weight sync.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sandbox_support import strict_missing
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.config.schema import ModelConfig, SpadeConfig
+from spade_mega.inference import EngineError, GenerationRequest, MemoryReleasing, SamplingParams, releases_memory
+from spade_mega.inference.server import write_model_folder
+from spade_mega.inference.sglang import SGLangEngine
+from spade_mega.inference.vllm import VLLMEngine
+from spade_mega.launch.plan import plan_launch
+from spade_mega.tokenizer import byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+RECIPE = ROOT / "examples" / "configs" / "qwen3_30b_a3b_games.yaml"
+TOK = byte_tokenizer()
+ENGINES = {"sglang": SGLangEngine, "vllm": VLLMEngine}
+
+
+class MemoryServer:
+    """An SGLang- or vLLM-speaking server (see the module docstring) on a free port, in a thread. ``events`` is every
+    call in order (``release``, ``resume:weights``, ``reload``, ``generate``, ``info``, ...; the self-play test's
+    trainer ranks add theirs); ``requests`` the exact (path, body) of each memory call. ``memory_flag``: started with
+    --enable-memory-saver / --enable-sleep-mode; ``refuse``: an event answered with an error instead."""
+
+    def __init__(self, engine: str, *, memory_flag: bool = True, refuse: str | None = None) -> None:
+        self.engine, self.memory_flag, self.refuse = engine, memory_flag, refuse
+        self.events: list[str] = []
+        self.requests: list[tuple[str, Any]] = []
+        self.released: set[str] = set()
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._answer(None)
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(json.loads(raw) if raw else None)
+
+            def _answer(self, body: Any) -> None:
+                with server.lock:
+                    status, reply = server.handle(self.path, body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def memory_events(self) -> list[str]:
+        return [e for e in self.events if e.split(":")[0] in ("release", "resume", "reload")]
+
+    def handle(self, target: str, body: Any) -> tuple[int, Any]:
+        url = urllib.parse.urlsplit(target)
+        path, query = url.path, urllib.parse.parse_qs(url.query)
+        if path.startswith("/trainer/"):  # the self-play test's trainer ranks say when they start a forward or step
+            self.events.append(f"trainer:{path.split('/')[-1]}:{query['rank'][0]}")
+            return 200, None
+        sglang = self.engine == "sglang"
+        if path in ("/health", "/v1/models"):
+            return 200, {"data": [{"id": "served-model"}]}
+        if path in ("/get_server_info", "/server_info"):
+            self.events.append("info")
+            if sglang:
+                return 200, {"enable_memory_saver": self.memory_flag, "tp_size": 1, "version": "0.5.5"}
+            return 200, {"vllm_config": {"model_config": {"enable_sleep_mode": self.memory_flag},
+                                         "device_config": {"device": "cuda"}}, "vllm_env": {}, "system_env": {}}
+        if path in ("/release_memory_occupation", "/sleep"):
+            self.requests.append((target, body))
+            if not sglang and not 0 <= int(query.get("level", ["1"])[0]) <= 2:
+                return 400, {"error": {"message": "Input should be less than or equal to 2"}}
+            tags = (body or {}).get("tags") if sglang else None
+            return self._event("release", lambda: self.released.update(tags or ("weights", "kv_cache")),
+                               None if sglang else {"status": "sleeping", "level": int(query["level"][0])})
+        if path in ("/resume_memory_occupation", "/wake_up"):
+            self.requests.append((target, body))
+            tags = (body or {}).get("tags") if sglang else query.get("tags")
+            tags = tags or ["weights", "kv_cache"]
+            if sglang and not set(tags) <= self.released:  # the scheduler's offload_tags.remove(tag)
+                return 400, {"error": {"message": f"KeyError: {sorted(set(tags) - self.released)}"}}
+            reply = None if sglang else {"status": "awake" if self.released <= set(tags) else "sleeping",
+                                         "tags": tags}
+            return self._event(f"resume:{','.join(tags)}", lambda: self.released.difference_update(tags), reply)
+        if path in ("/update_weights_from_disk", "/collective_rpc"):
+            if "weights" in self.released:  # loading into freed memory
+                return 500, {"error": {"message": "weights are released: resume them before loading"}}
+            return self._event("reload", lambda: None, {"success": True, "message": "ok"} if sglang else
+                               {"results": [None]})
+        if path == "/reset_prefix_cache":
+            return 200, None
+        if path in ("/generate", "/v1/completions"):
+            if self.released:  # SGLang computes on freed memory; a sleeping vLLM queues it until it wakes
+                return 503, {"error": {"message": f"generating with {sorted(self.released)} released"}}
+            self.events.append("generate")
+            stop = (body.get("sampling_params") or {}).get("stop_token_ids") if sglang else body["stop_token_ids"]
+            if sglang:
+                return 200, {"meta_info": {"output_token_logprobs": [[-0.25, stop[0], None]],
+                                           "finish_reason": {"type": "stop"}}}
+            return 200, {"choices": [{"token_ids": [stop[0]], "logprobs": {"token_logprobs": [-0.25]},
+                                      "finish_reason": "stop"}]}
+        return 404, {"error": {"message": f"no route {path}"}}
+
+    def _event(self, name: str, apply: Any, reply: Any) -> tuple[int, Any]:
+        if self.refuse is not None and name.startswith(self.refuse):
+            self.events.append(f"refused {name}")
+            return 400, {"error": {"message": f"{self.refuse} is not possible now (memory saver busy)"}}
+        apply()
+        self.events.append(name)
+        return 200, reply
+
+
+MODEL = ModelConfig(name="tiny", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
+                    kv_channels=16, ffn_hidden_size=64, num_experts=0, vocab_size=512, max_position_embeddings=256,
+                    params_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_folder(tmp_path_factory.mktemp("served"), MODEL, TOK)
+
+
+@pytest.fixture
+def make_servers() -> Iterator[Any]:
+    """``make_servers(engine, count=2, **MemoryServer options)``; all of them shut down after the test."""
+    made: list[MemoryServer] = []
+
+    def make(engine: str, count: int = 2, **kwargs: Any) -> list[MemoryServer]:
+        made.extend(MemoryServer(engine, **kwargs) for _ in range(count))
+        return made[-count:]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def _attach(engine: str, fakes: list[MemoryServer], folder: Path, *, release: bool = True):
+    return ENGINES[engine].attach([s.url for s in fakes], folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                                  request_timeout_s=10, release_memory=release)
+
+
+def _greedy() -> list[GenerationRequest]:
+    return [GenerationRequest(tuple(TOK.encode("hello")), SamplingParams(max_new_tokens=4, temperature=0.0))]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_every_server_releases_and_takes_back_its_memory_around_a_weight_update(engine, model_folder,
+                                                                               make_servers) -> None:
+    fakes = make_servers(engine)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    released = _attach(engine, fakes, model_folder)
+    try:
+        assert isinstance(released, MemoryReleasing) and released.releases_memory
+        assert released.generate(_greedy())[0].output_ids == (TOK.eos_token_id,)
+        released.release_memory()
+        with pytest.raises(EngineError, match="released the GPU memory of their kv_cache and weights; resume_memory"):
+            released.generate(_greedy())
+        with pytest.raises(EngineError, match=r"released the GPU memory of their weights; resume_memory\('weights'\)"):
+            released.update_weights([weights], version=1)
+        released.resume_memory("weights")
+        released.update_weights([weights], version=1)
+        released.resume_memory("kv_cache")
+        released.resume_memory("kv_cache")  # nothing released: nothing asked (SGLang would fail on it)
+        assert released.generate(_greedy())[0].weight_version == 1
+    finally:
+        released.close()
+    for fake in fakes:
+        assert fake.memory_events() == ["release", "resume:weights", "reload", "resume:kv_cache"]
+        assert fake.events[0] == "info" and not fake.released  # checked at start; awake at the end
+    if engine == "sglang":
+        assert fakes[0].requests == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                                     ("/resume_memory_occupation", {"tags": ["weights"]}),
+                                     ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
+    else:  # level 2: the weights are discarded, not copied to host memory (every weight is reloaded next)
+        assert fakes[0].requests == [("/sleep?level=2", None), ("/wake_up?tags=weights", None),
+                                     ("/wake_up?tags=kv_cache", None)]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_nothing_is_released_or_asked_when_the_setting_is_off(engine, model_folder, make_servers) -> None:
+    fakes = make_servers(engine, count=1, memory_flag=False)
+    plain = _attach(engine, fakes, model_folder, release=False)
+    try:
+        assert not plain.releases_memory
+        plain.generate(_greedy())
+        plain.update_weights([load_file(str(model_folder / "model.safetensors"))], version=1)
+    finally:
+        plain.close()
+    assert fakes[0].events == ["generate", "reload"]
+
+
+@pytest.mark.parametrize("engine, flag", [("sglang", "--enable-memory-saver"), ("vllm", "--enable-sleep-mode")])
+def test_a_server_started_without_the_memory_flag_is_refused_at_start(engine, flag, model_folder,
+                                                                      make_servers) -> None:
+    able, unable = make_servers(engine, count=1)[0], make_servers(engine, count=1, memory_flag=False)[0]
+    with pytest.raises(EngineError) as info:
+        _attach(engine, [able, unable], model_folder)
+    message = str(info.value)
+    assert f"server at {unable.url} cannot release its GPU memory" in message and able.url not in message
+    assert f"started without {flag}" in message and "inference.release_memory: false" in message
+    assert "release" not in able.events + unable.events
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("refuse", ["release", "resume:weights"])
+def test_a_refused_release_or_resume_is_an_engine_error_naming_the_server(engine, refuse, model_folder,
+                                                                          make_servers) -> None:
+    good, bad = make_servers(engine, count=1)[0], make_servers(engine, count=1, refuse=refuse)[0]
+    released = _attach(engine, [good, bad], model_folder)
+    try:
+        if refuse == "release":
+            with pytest.raises(EngineError, match=f"server at {bad.url} did not release its GPU memory .*memory "
+                                                  "saver busy.*or set inference.release_memory: false"):
+                released.release_memory()
+        else:
+            released.release_memory()
+            with pytest.raises(EngineError, match=f"server at {bad.url} did not take back the GPU memory of its "
+                                                  "weights .*memory saver busy.*cannot serve until it does"):
+                released.resume_memory("weights")
+    finally:
+        released.close()  # attached servers are left awake, as far as they let it
+    assert not good.released and good.memory_events()[-1] == "resume:kv_cache"
+    assert bad.released == ({"weights", "kv_cache"} if refuse == "resume:weights" else set())
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_closing_the_engine_wakes_a_server_it_attached_to(engine, model_folder, make_servers) -> None:
+    """A run that fails between release and resume (its train step out of memory) leaves the servers of a SLURM job
+    awake for the next run to attach to; their weights are whatever the release left, and every run starts with a
+    full weight sync."""
+    fakes = make_servers(engine, count=1)
+    released = _attach(engine, fakes, model_folder)
+    released.release_memory()
+    released.close()
+    released.close()
+    assert fakes[0].memory_events() == ["release", "resume:weights", "resume:kv_cache"] and not fakes[0].released
+
+
+def test_the_setting_resolves_per_engine_and_placement(tmp_path) -> None:
+    cfg = SpadeConfig()
+    assert not releases_memory(cfg)  # hf
+    cfg.rollout.engine = "sglang"
+    assert releases_memory(cfg) == torch.cuda.is_available()  # colocated (placement auto): on when there is a GPU
+    cfg.launch.engine_placement = "separate"
+    assert not releases_memory(cfg)
+    cfg.inference.release_memory = True
+    assert releases_memory(cfg)
+    cfg.rollout.engine, cfg.launch.engine_placement = "hf", "auto"
+    with pytest.raises(ConfigError) as info:
+        cfg.check()
+    assert info.value.path == "inference.release_memory" and "hf engine runs inside the trainer's process" in str(
+        info.value)
+    with pytest.raises(ConfigError, match=r"inference.release_memory.*one of 'auto', True, False"):
+        load_config(TINY, ["inference.release_memory=sometimes"])
+    if not torch.cuda.is_available():  # a server started here would be on the CPU: refused before it starts
+        cfg = load_config(TINY, ["rollout.engine=vllm", "inference.release_memory=true",
+                                 f"inference.server_python={tmp_path / 'never-started'}"])
+        with pytest.raises(ConfigError, match="inference.release_memory.*on the CPU"):
+            VLLMEngine.from_config(cfg, TOK)
+
+
+def test_the_launcher_gives_the_servers_the_memory_flag_when_they_release() -> None:
+    base = ["inference.hf_weights=/ckpt/base", "inference.weight_sync_dir=/shared/sync"]
+    colocated = plan_launch(load_config(RECIPE, base)).engines
+    assert colocated.placement == "colocated" and "--enable-memory-saver" in colocated.command
+    assert "--enable-memory-saver" not in plan_launch(load_config(RECIPE, base + [
+        "inference.release_memory=false"])).engines.command
+    separate = ["launch.engine_placement=separate", "launch.engine_nodes=1", "rollout.engine=vllm"]
+    assert "--enable-sleep-mode" not in plan_launch(load_config(RECIPE, base + separate)).engines.command
+    assert "--enable-sleep-mode" in plan_launch(load_config(RECIPE, base + separate + [
+        "inference.release_memory=true"])).engines.command
+
+
+# ---- the self-play loop ------------------------------------------------------------------------------------------
+
+# the real `spade-mega train`, its trainer's forward (old log-probs, the step's first allocation) and optimizer step
+# announced to the server before they run, with the rank
+TRACED_TRAIN = """
+import os, sys, urllib.request
+from spade_mega.megatron.train import Trainer
+
+def traced(name, method):
+    def call(self, *args, **kwargs):
+        url = f"{sys.argv[1]}/trainer/{name}?rank={os.environ.get('RANK', '0')}"
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"), timeout=30).read()
+        return method(self, *args, **kwargs)
+    return call
+
+Trainer.logprobs, Trainer.train_step = traced("logprobs", Trainer.logprobs), traced("step", Trainer.train_step)
+from spade_mega.cli import main
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.multiproc
+def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_sync(tmp_path, make_servers) -> None:
+    """Two data-parallel ranks, rank 0's engine attached to an SGLang-speaking server: in each rollout every
+    generation comes first, then the release, then both ranks' forward and steps, then resume(weights), the
+    reload, resume(kv_cache); evaluation generates after that."""
+    fake = make_servers("sglang", count=1)[0]
+    cfg = load_config(TINY)
+    folder = write_model_folder(tmp_path / "served", cfg.model, TOK)
+    script = tmp_path / "traced_train.py"
+    script.write_text(TRACED_TRAIN)
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    overrides = [f"run.output_dir={tmp_path}", "rollout.engine=sglang", f"inference.server_urls=[{fake.url}]",
+                 f"inference.hf_weights={folder}", "inference.release_memory=true", "selfplay.num_rollouts=2",
+                 "selfplay.regen_interval=2", "selfplay.designer_delay=4", "selfplay.save_interval=2",
+                 "selfplay.global_batch_size=4", "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
+                 "rollout.hint_plays_per_env=1", "rollout.max_turns=1", "rollout.max_response_tokens=8",
+                 "rollout.max_designer_tokens=8", "curriculum.corpus.token_budget=64", "eval.interval=2",
+                 "eval.before_train=false", "logging.tensorboard=false", "logging.progress=false", "sandbox.warm_workers=1",
+                 *isolation]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), fake.url, str(TINY), *overrides], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [e for e in fake.events if e != "info"]
+    rounds, current = [], []
+    for event in events:  # one list per rollout, cut at each KV cache resume (evaluation's generations follow)
+        current.append(event)
+        if event == "resume:kv_cache":
+            rounds.append(current)
+            current = []
+    assert len(rounds) == 2 and set(current) == {"generate"}  # rollout 2's evaluation, after the resume
+    assert rounds[0][0] == "reload"  # the run's first sync, before any rollout
+    for events in (rounds[0][1:], rounds[1]):
+        release = events.index("release")
+        assert set(events[:release]) == {"generate"} and release > 0
+        trainer = events[release + 1:-3]
+        assert {e.rsplit(":", 1)[0] for e in trainer} == {"trainer:logprobs", "trainer:step"}
+        assert {e.rsplit(":", 1)[1] for e in trainer} == {"0", "1"}  # no rank starts before the release
+        assert events[-3:] == ["resume:weights", "reload", "resume:kv_cache"]
+    records = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [r for r in records if "time/rollout_s" in r]  # evaluation's record of rollout 2 comes on its own
+    assert [r["step"] for r in rollouts] == [1, 2]
+    assert all(r["time/engine_release_s"] >= 0 and r["time/engine_resume_s"] >= 0 for r in rollouts)
