@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
 from spade_mega.errors import SpadeError
+
+log = logging.getLogger("spade_mega.tokenizer")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -90,18 +93,25 @@ def same_tokenizer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return a.get("vocab_size") == b.get("vocab_size") and a.get("sha256") == b.get("sha256")
 
 
-def check_folder_tokenizer(folder: str | Path, configured: str | None) -> None:
+def check_folder_tokenizer(folder: str | Path, configured: str | None) -> bool:
     """A Hugging Face model folder that carries a tokenizer was trained with it: starting from its weights (convert
     from-hf, a run's or an evaluation's inference.hf_weights) under another ``model.tokenizer`` would give every
-    token id another meaning from the first step, with no error anywhere. A folder without tokenizer files passes."""
+    token id another meaning from the first step, with no error anywhere. True when the folder's tokenizer was
+    compared. A folder without tokenizer files (weights only, the tokenizer kept elsewhere) cannot be checked: its
+    weights are taken to use ``model.tokenizer``, with a warning naming it, and False is returned (convert from-hf
+    records the pairing as assumed in its checkpoint's manifest)."""
     folder = Path(folder).expanduser().absolute()
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return
+        log.warning("%s has no tokenizer files (tokenizer.json / tokenizer_config.json): its weights are taken to use "
+                    "model.tokenizer, %s, unchecked; if they were trained with another, set model.tokenizer to it",
+                    folder, describe_tokenizer(tokenizer_identity(configured)))
+        return False
     theirs, ours = tokenizer_identity(str(folder)), tokenizer_identity(configured)
     if not same_tokenizer(theirs, ours):
         raise TokenizerError(f"{folder} holds the tokenizer {describe_tokenizer(theirs)}; model.tokenizer is "
                              f"{describe_tokenizer(ours)}: their token ids mean different things. Set "
                              f"model.tokenizer={folder}")
+    return True
 
 
 def describe_tokenizer(identity: Mapping[str, Any]) -> str:

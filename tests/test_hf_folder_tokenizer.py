@@ -52,11 +52,11 @@ def test_eval_of_a_folder_with_another_tokenizer_is_refused(foreign: Path, capsy
 def test_a_folder_with_the_same_tokenizer_or_none_passes(tmp_path: Path, foreign: Path) -> None:
     copy = tmp_path / "copy"
     byte_tokenizer().save_pretrained(str(copy))
-    check_folder_tokenizer(copy, None)  # the run's tokenizer, saved elsewhere
-    check_folder_tokenizer(foreign, str(foreign))
+    assert check_folder_tokenizer(copy, None)  # the run's tokenizer, saved elsewhere
+    assert check_folder_tokenizer(foreign, str(foreign))
     bare = tmp_path / "bare"
     bare.mkdir()
-    check_folder_tokenizer(bare, None)  # weights only: nothing to compare
+    assert not check_folder_tokenizer(bare, None)  # weights only: nothing to compare
     with pytest.raises(TokenizerError, match="their token ids mean different things"):
         check_folder_tokenizer(copy, str(foreign))
 
@@ -107,3 +107,43 @@ def test_a_folder_tokenizer_keeps_its_identity_through_saves_orders_and_processe
     (renumbered / "tokenizer.json").write_text(json.dumps(reordered))
     assert AutoTokenizer.from_pretrained(str(renumbered)).encode("<think>") != tok.encode("<think>")
     assert tokenizer_identity(str(renumbered))["sha256"] != digest
+
+
+# The tiny model's weights as a Hugging Face folder without tokenizer files (save_hf given no tokenizer writes none).
+BARE_WEIGHTS = """
+import sys
+from spade_mega.bridge import save_hf
+from spade_mega.config.loader import load_config
+from spade_mega.megatron import Trainer
+save_hf(Trainer(load_config(sys.argv[1])), sys.argv[2])
+"""
+
+
+def test_from_hf_of_a_folder_without_a_tokenizer_records_the_pairing_as_assumed(tmp_path: Path,
+                                                                                foreign: Path) -> None:
+    """A weights-only folder (its tokenizer kept elsewhere) cannot be checked: convert from-hf takes model.tokenizer
+    as the weights' tokenizer, says so, and the manifest records it as assumed for that folder. Later conversions
+    are held to it like any checkpoint's tokenizer, and the refusal names the from-hf assumption and its remedy."""
+    bare = tmp_path / "bare_hf"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    made = subprocess.run([sys.executable, "-c", BARE_WEIGHTS, str(TINY), str(bare)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert not any((bare / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    proc = subprocess.run([str(SCRIPT), "convert", "from-hf", "--config", str(TINY), "--hf", str(bare),
+                           "--out", str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{bare} has no tokenizer files" in proc.stderr and "built-in byte tokenizer" in proc.stderr, proc.stderr
+    from spade_mega.megatron.checkpoint import read_manifest, resolve_checkpoint
+
+    manifest = read_manifest(resolve_checkpoint(tmp_path / "ckpt"))
+    assert manifest["tokenizer"]["name"] is None and manifest["tokenizer"]["assumed_for"] == str(bare)
+    refused = subprocess.run([str(SCRIPT), "convert", "to-hf", "--config", str(TINY), f"model.tokenizer={foreign}",
+                              "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "their token ids mean different things" in last, last
+    assert f"convert from-hf took model.tokenizer for {bare}, which has no tokenizer files" in last, last
+    assert not (tmp_path / "out").exists()

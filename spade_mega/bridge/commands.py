@@ -67,12 +67,14 @@ def _from_hf(args: argparse.Namespace) -> int:
                           f"choose an empty or new --out")
     HFCheckpoint(args.hf)  # a folder without a checkpoint fails here, before a model is built
     cfg = _config(args, [f"model.hf_config={Path(args.hf).expanduser().absolute()}"])
-    check_folder_tokenizer(args.hf, cfg.model.tokenizer)
+    # a folder without tokenizer files cannot be checked: its weights are taken to use model.tokenizer, and the
+    # checkpoint's manifest records that pairing as assumed for the folder
+    checked = check_folder_tokenizer(args.hf, cfg.model.tokenizer)
     trainer = _trainer(cfg)
     total = sum(1 for chunk in trainer.model for _ in chunk.parameters())
     with RunProgress(total, "parameters", fields=[]) as bar:
         load_hf(trainer, args.hf, progress=bar.advance)
-    path = trainer.save(args.out)
+    path = trainer.save(args.out, tokenizer_assumed_for=None if checked else cfg.model.hf_config)
     if _rank() == 0:
         print(f"wrote {path}: Megatron checkpoint (step 0, fresh optimizer) of {args.hf}, loadable in any parallel "
               f"layout")

@@ -296,10 +296,13 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None) -> Path:
+def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
+                    tokenizer_assumed_for: Optional[str] = None) -> Path:
     """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
 
-    ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints."""
+    ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints. ``tokenizer_assumed_for``: the
+    Hugging Face folder (without tokenizer files) whose weights these are, taken to use ``model.tokenizer``
+    unchecked (convert from-hf); the manifest's tokenizer records it as ``assumed_for``."""
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep must be >= 1 (the checkpoint just saved is always kept; None keeps all), "
                               f"got {keep}")
@@ -330,7 +333,8 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
         manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
                     "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
                     "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
-                    "tokenizer": tokenizer_identity(trainer.cfg.model.tokenizer),
+                    "tokenizer": {**tokenizer_identity(trainer.cfg.model.tokenizer),
+                                  **({"assumed_for": tokenizer_assumed_for} if tokenizer_assumed_for else {})},
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _fsync_tree(partial)
@@ -392,9 +396,13 @@ def check_tokenizer(manifest: dict[str, Any], name: Optional[str], path: Path) -
     current = tokenizer_identity(name)
     if not isinstance(saved, dict) or not same_tokenizer(saved, current):
         saved_text = describe_tokenizer(saved) if isinstance(saved, dict) else repr(saved)
+        remedy = "Set model.tokenizer to the checkpoint's tokenizer"
+        if isinstance(saved, dict) and saved.get("assumed_for"):  # a pairing convert from-hf could not check
+            remedy = (f"convert from-hf took model.tokenizer for {saved['assumed_for']}, which has no tokenizer "
+                      "files: if its weights were trained with another, convert it again with model.tokenizer set to "
+                      "that one; else set model.tokenizer to the checkpoint's tokenizer")
         raise CheckpointError(f"{path}: trained with the tokenizer {saved_text}; this run's is "
-                              f"{describe_tokenizer(current)}: their token ids mean different things. Set "
-                              "model.tokenizer to the checkpoint's tokenizer")
+                              f"{describe_tokenizer(current)}: their token ids mean different things. {remedy}")
 
 
 def _check_optimizer_kind(trainer: "Trainer", manifest: dict[str, Any], path: Path) -> None:

@@ -333,11 +333,11 @@ class Trainer:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-    def save(self, root: str, *, keep: Optional[int] = None) -> str:
+    def save(self, root: str, *, keep: Optional[int] = None, tokenizer_assumed_for: Optional[str] = None) -> str:
         """Save model, optimizer and schedule as ``root/step_<N>`` (atomic); see checkpoint.save_checkpoint."""
         from spade_mega.megatron.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self, root, keep=keep))
+        return str(save_checkpoint(self, root, keep=keep, tokenizer_assumed_for=tokenizer_assumed_for))
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);
