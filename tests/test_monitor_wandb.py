@@ -109,7 +109,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     """An attempt that dies after rollout 3 (checkpoint at 2) and its requeued job resuming from step 2 log to one
     W&B run; starting the run over (no checkpoint) in the same directory logs to a new one."""
     run_dir = tmp_path / "runs" / "tiny"
-    env = _env(tmp_path)
+    env = _env(tmp_path, WANDB_PROJECT="from-env")  # logging.wandb.project unset: W&B's own variable decides
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1, 2, 3])", env)
     first_id = (run_dir / RUN_ID_FILE).read_text().strip()
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [3, 4], resume_step=2)", env)
@@ -120,6 +120,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     assert [(run["run_id"], [item["_step"] for item in history]) for run, history in attempts] == \
         [(first_id, [1, 2, 3]), (first_id, [3, 4]), (new_id, [1])]
     assert new_id != first_id and attempts[1][0]["resume"]
+    assert {run["project"] for run, _ in attempts} == {"from-env"}
 
 
 # two rollouts of the tiny model, as small as a run gets
@@ -144,7 +145,7 @@ def test_a_training_run_logs_its_records_and_resolved_config_to_wandb(tmp_path: 
     run_dir = tmp_path / "runs" / "tiny_cpu"
     [(run, history)] = _wandb_runs(run_dir / "wandb")
     assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
-    assert (run["display_name"], run["tags"]) == ("tiny_cpu", ["cpu"])
+    assert (run["project"], run["display_name"], run["tags"]) == ("spade-mega", "tiny_cpu", ["cpu"])
     records = _jsonl(run_dir)
     assert [item["_step"] for item in history] == [r["step"] for r in records] == [1, 2]
     assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}

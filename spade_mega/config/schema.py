@@ -249,8 +249,8 @@ class WandbConfig:
     resumed or requeued run continues the same W&B run."""
 
     enabled: bool = False
-    project: str = "spade-mega"
-    entity: Optional[str] = None  # team or user; None = the API key's default entity
+    project: Optional[str] = None  # None = $WANDB_PROJECT, else spade-mega
+    entity: Optional[str] = None  # team or user; None = $WANDB_ENTITY, else the API key's default entity
     group: Optional[str] = None  # groups runs in the W&B UI (a sweep, an ablation)
     name: Optional[str] = None  # display name; None = run.name
     mode: Optional[Literal["online", "offline", "disabled"]] = None  # None = $WANDB_MODE, else online

@@ -32,6 +32,7 @@ from spade_mega.files import replace_atomically
 
 log = logging.getLogger("spade_mega.monitor")
 WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
+DEFAULT_PROJECT = "spade-mega"
 RUN_ID_FILE = "wandb_run_id"
 _ID_CHARS = string.ascii_lowercase + string.digits  # W&B's own run id alphabet
 
@@ -80,10 +81,11 @@ class WandbSink:
                  run_config: Optional[Mapping[str, Any]] = None) -> None:
         self._wandb = import_wandb()
         run_id = _run_id(run_dir, resume_step)
+        project = cfg.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
         self._run: Any = None
         try:
             self._run = self._wandb.init(
-                project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.name or run_dir.name,
+                project=project, entity=cfg.entity, group=cfg.group, name=cfg.name or run_dir.name,
                 tags=list(cfg.tags) or None, mode=cfg.mode, id=run_id, resume="allow",
                 config=dict(run_config) if run_config is not None else None,
                 # wandb's files beside the run's own, unless $WANDB_DIR puts them elsewhere (a scratch file system)
@@ -95,7 +97,7 @@ class WandbSink:
             raise WandbError(f"logging.wandb: wandb.init failed for run id {run_id} ({type(exc).__name__}: {exc}); "
                              "online mode needs an API key (wandb login, or $WANDB_API_KEY) and the network, or set "
                              "logging.wandb.mode=offline and `wandb sync` the run later") from exc
-        log.info("W&B run %s (project %s, mode %s)", run_id, cfg.project, self._run.settings.mode)
+        log.info("W&B run %s (project %s, mode %s)", run_id, project, self._run.settings.mode)
 
     def write(self, step: int, wall_time: float, metrics: Mapping[str, float | int]) -> None:
         if self._run is None:
