@@ -153,12 +153,15 @@ class RolloutConfig:
 @dataclass
 class InferenceConfig:
     """Settings of the inference engines (spade_mega/inference). The in-process ``hf`` engine reads ``device``,
-    ``dtype``, ``max_batch_size`` and ``hf_weights``; the ``vllm`` and ``sglang`` servers read ``dtype``,
-    ``hf_weights`` (the folder they serve) and the ``server_*`` / timeout fields below."""
+    ``dtype``, ``max_batch_size``, ``prefix_cache_mb`` and ``hf_weights``; the ``vllm`` and ``sglang`` servers read
+    ``dtype``, ``hf_weights`` (the folder they serve) and the ``server_*`` / timeout fields below."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when there is a GPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: model.params_dtype
     max_batch_size: int = 64  # sequences decoded together; bigger rollouts run in chunks
+    # hf engine: keys and values of finished sequences kept so an agent's next turn prefills only its new tokens
+    # (MiB; least recently used out; cleared at every weight update). 0: off
+    prefix_cache_mb: float = 1024.0
     hf_weights: Optional[str] = None  # local Hugging Face folder (*.safetensors) loaded at start; None = random init
     # servers started elsewhere (SLURM: $SPADE_ENGINE_URLS) to attach to; empty: start one here
     server_urls: list[str] = field(default_factory=list)
@@ -178,6 +181,8 @@ class InferenceConfig:
     def check(self) -> None:
         _positive("inference", self, "max_batch_size", "tensor_parallel", "startup_timeout_s", "request_timeout_s",
                   "concurrency")
+        _require(self.prefix_cache_mb >= 0, "inference.prefix_cache_mb",
+                 f"must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}")
         for i, url in enumerate(self.server_urls):
             _require(url.startswith(("http://", "https://")), f"inference.server_urls[{i}]",
                      f"must be an http(s) URL, got {url!r}")

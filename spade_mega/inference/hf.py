@@ -22,10 +22,14 @@ from transformers.cache_utils import Cache, DynamicLayer  # the engine runs tran
 
 from spade_mega.config.schema import ModelConfig, SpadeConfig
 from spade_mega.inference.base import EngineError, Generation, GenerationRequest
+from spade_mega.inference.prefix_cache import CachedSequence, LayerKV, PrefixCache
 from spade_mega.megatron.providers import hf_config_dict, resolve_model_config
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Entries of the [rows, 1, queries, columns] boolean mask of one prefill forward over cached prefixes: a longer
+# suffix is forwarded in chunks of queries (SDPA on CPU copies the mask into a float one four times its size).
+_MASK_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,22 @@ class HFEngine:
     ``max_new_tokens`` cap the completions do not reach. A request
     without a seed gets one from the engine's own generator (seeded by ``seed``), so a run is reproducible. Each
     request samples from its own generator, so in float32 its completion does not depend on the batch; in bfloat16
-    the logits do, slightly (kernels are not batch-invariant), so a seeded sample can differ between batches."""
+    the logits do, slightly (kernels are not batch-invariant), so a seeded sample can differ between batches.
+
+    Finished sequences' keys and values stay in a :class:`PrefixCache` of ``prefix_cache_mb`` MiB (0: none), so a
+    prompt that starts with one (the next turn of an agent episode: its prompt, completion and new observation)
+    prefills only the tokens after it. A weight update clears it: keys computed by other weights are stale."""
 
     def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
                  device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
-                 weights_path: Optional[str] = None, prefill_tokens: int = 16384) -> None:
+                 weights_path: Optional[str] = None, prefill_tokens: int = 16384,
+                 prefix_cache_mb: float = 1024) -> None:
         for name, value in (("max_batch_size", max_batch_size), ("prefill_tokens", prefill_tokens)):
             if value < 1:
                 raise EngineError(f"{name} must be >= 1, got {value}")
+        if not prefix_cache_mb >= 0:
+            raise EngineError(f"prefix_cache_mb must be >= 0 (0: no prefix cache), got {prefix_cache_mb}")
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         model = resolve_model_config(model)
         self.vocab_size = model.vocab_size
         self.max_positions = model.max_position_embeddings
@@ -147,8 +159,11 @@ class HFEngine:
 
         A bucket is checked whole before any of it is copied. Once copying has begun the weights are a mix of two
         versions until the update completes, so a failure part way leaves the engine refusing to generate until a
-        later update succeeds; the version advances only on success."""
+        later update succeeds; the version advances only on success. The prefix cache is cleared first: whatever
+        the outcome, the keys and values in it were computed by the weights being replaced."""
         params = self._params()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         missing = set(self._targets)
         started = False
         try:
@@ -227,7 +242,8 @@ class HFEngine:
         writes its next token into the same column; the columns left of a shorter prompt are masked out. The cache
         is allocated for ``2 * width`` columns (at most ``width`` + the most new tokens) and reallocated at twice the
         size, for the rows still running, when it is full: a cap such as an evaluation's 30k new tokens is never
-        allocated for rows that stop long before it, and the copies add up to less than the final size."""
+        allocated for rows that stop long before it, and the copies add up to less than the final size. A row leaving
+        the batch leaves its keys and values (its prompt and completion but the last token) in the prefix cache."""
         model, device = self._live_model(), self.device
         n = len(requests)
         lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)
@@ -235,7 +251,9 @@ class HFEngine:
         sampling = [r.sampling for r in requests]
         cache = _PreallocatedCache(model.config, n, min(2 * width, width + max(s.max_new_tokens for s in sampling)),
                                    dtype=self.dtype, device=device)
-        logits = self._prefill(model, requests, cache, width)
+        reused = ([self.prefix_cache.match(r.prompt_ids) for r in requests] if self.prefix_cache is not None
+                  else [(None, 0)] * n)
+        logits = self._prefill(model, requests, reused, cache, width)
         starts = width - lengths  # each row's first column
 
         def attention_mask() -> torch.Tensor:
@@ -270,6 +288,10 @@ class HFEngine:
                     finish[i] = "stop"
                 elif len(outputs[i]) < sampling[i].max_new_tokens:
                     keep.append(row)
+                    continue
+                if self.prefix_cache is not None:  # the cache holds every token but the one just sampled
+                    self.prefix_cache.store(requests[i].prompt_ids + tuple(outputs[i][:-1]),
+                                            cache.row_states(row, int(starts[row])), replaces=reused[i][0])
             if not keep:
                 break
             if len(keep) < len(live):  # finished rows leave the batch: the rows kept move up, in place
@@ -290,32 +312,72 @@ class HFEngine:
                            logprobs=tuple(logprobs[i]), finish_reason=finish[i],  # type: ignore[arg-type]
                            weight_version=self._version) for i, r in enumerate(requests)]
 
-    def _prefill(self, model: torch.nn.Module, requests: Sequence[GenerationRequest], cache: _PreallocatedCache,
+    def _prefill(self, model: torch.nn.Module, requests: Sequence[GenerationRequest],
+                 reused: Sequence[tuple[Optional[CachedSequence], int]], cache: _PreallocatedCache,
                  width: int) -> torch.Tensor:
         """Forward the prompts, store their keys and values in ``cache`` and return each one's next-token logits.
 
-        Prompts of similar length (``prefill_tokens`` padded tokens at most) go together, *right*-padded: causal
-        attention alone keeps a token from seeing the padding after it, so no attention mask is built (a left-padded
-        batch needs a [batch, 1, length, length] one, which SDPA on CPU copies into a float mask four times its size).
-        Logits are computed for the last prompt token only."""
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        ``reused[i]`` is the cached sequence whose first ``n`` keys and values prompt ``i`` takes instead of
+        forwarding its first ``n`` tokens (``(None, 0)``: none). What is left of the prompts (their *suffixes*) goes
+        in buckets of similar length (``prefill_tokens`` padded tokens at most), fresh prompts apart from those
+        continuing a cached prefix; see :meth:`_prefill_bucket`. Logits are computed for the last prompt token
+        only."""
+        suffix = [len(r.prompt_ids) - m for r, (_, m) in zip(requests, reused)]
+        order = sorted(range(len(requests)), key=lambda i: (reused[i][1] > 0, suffix[i]))
         buckets: list[list[int]] = [[]]
-        for i in order:  # sorted: a bucket's width is its last prompt's length
-            if buckets[-1] and (len(buckets[-1]) + 1) * len(requests[i].prompt_ids) > self.prefill_tokens:
+        for i in order:  # sorted: a bucket's width is its last suffix's length
+            bucket = buckets[-1]
+            if bucket and ((reused[bucket[0]][1] > 0) != (reused[i][1] > 0)
+                           or (len(bucket) + 1) * suffix[i] > self.prefill_tokens):
                 buckets.append([])
             buckets[-1].append(i)
         logits = torch.empty((len(requests), self.vocab_size), dtype=self.dtype, device=self.device)
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
         for bucket in buckets:
             prompts = [requests[i].prompt_ids for i in bucket]
-            ids = torch.full((len(bucket), len(prompts[-1])), self.pad_token_id, dtype=torch.long)
-            for row, prompt in enumerate(prompts):
-                ids[row, :len(prompt)] = torch.tensor(prompt)
-            out = decoder(input_ids=ids.to(self.device), use_cache=True)
-            last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-            logits[bucket] = head(out.last_hidden_state[torch.arange(len(bucket), device=self.device), last])
-            cache.store_prompts(bucket, [len(p) for p in prompts], out.cache, width)
+            logits[bucket], prefill, starts = self._prefill_bucket(model, prompts, [reused[i] for i in bucket])
+            cache.store_prompts(bucket, [len(p) for p in prompts], prefill, starts, width)
         return logits
+
+    def _prefill_bucket(self, model: torch.nn.Module, prompts: Sequence[tuple[int, ...]],
+                        reused: Sequence[tuple[Optional[CachedSequence], int]]
+                        ) -> tuple[torch.Tensor, _PreallocatedCache, list[int]]:
+        """One forward of the prompts' suffixes: their last tokens' logits, the bucket's cache and each row's first
+        column in it.
+
+        Row ``j`` holds its cached prefix (``n_j`` columns) right-aligned before column ``P`` (the longest prefix)
+        and its suffix *right*-padded from column ``P``. Without a prefix (``P`` 0) causal attention alone keeps a
+        token from seeing the padding after it, so no mask is built (a left-padded batch needs a [batch, 1, length,
+        length] one, which SDPA on CPU copies into a float mask four times its size). With prefixes a boolean mask
+        hides the columns before each row's prefix; the suffixes then go in chunks of queries that keep it within
+        ``_MASK_ENTRIES``. Positions continue each row's prefix."""
+        device, rows = self.device, len(prompts)
+        taken = torch.tensor([m for _, m in reused], device=device)
+        lengths = [len(p) - m for p, (_, m) in zip(prompts, reused)]
+        before, width = int(taken.max()), max(lengths)
+        prefill = _PreallocatedCache(model.config, rows, before + width, dtype=self.dtype, device=device)
+        prefill.place_prefixes([(row, [(k[:, :m], v[:, :m]) for k, v in entry.layers])
+                                for row, (entry, m) in enumerate(reused) if entry is not None and m > 0], before)
+        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        for row, (prompt, (_, m)) in enumerate(zip(prompts, reused)):
+            ids[row, :len(prompt) - m] = torch.tensor(prompt[m:])
+        ids = ids.to(device)
+        last = torch.tensor(lengths, device=device) - 1  # each row's last token, in its suffix
+        hidden = torch.empty((rows, model.config.hidden_size), dtype=self.dtype, device=device)
+        decoder, every = model.get_decoder(), torch.arange(rows, device=device)
+        step = width if before == 0 else max(1, min(width, _MASK_ENTRIES // (rows * (before + width))))
+        for first in range(0, width, step):
+            end = min(first + step, width)
+            if before == 0:
+                out = decoder(input_ids=ids, cache=prefill, use_cache=True)
+            else:
+                queries = torch.arange(first, end, device=device)
+                columns = torch.arange(before + end, device=device)
+                mask = ((columns >= before - taken[:, None, None]) & (columns <= before + queries[None, :, None]))
+                out = decoder(input_ids=ids[:, first:end], attention_mask=mask[:, None], cache=prefill,
+                              position_ids=taken[:, None] + queries[None], use_cache=True)
+            here = (last >= first) & (last < end)
+            hidden[here] = out.last_hidden_state[every[here], last[here] - first]
+        return model.get_output_embeddings()(hidden), prefill, [before - m for _, m in reused]
 
     # ------------------------------------------------------------------ life
     def _live_model(self) -> torch.nn.Module:
@@ -325,6 +387,8 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -372,14 +436,30 @@ class _PreallocatedCache(Cache):
         """Columns filled so far (the same in every layer and row)."""
         return self.layers[0].length
 
-    def store_prompts(self, rows: Sequence[int], lengths: Sequence[int], prefill: Cache, width: int) -> None:
-        """Copy row ``j`` of a right-padded prefill cache (its first ``lengths[j]`` columns) into row ``rows[j]``,
+    def store_prompts(self, rows: Sequence[int], lengths: Sequence[int], prefill: _PreallocatedCache,
+                      starts: Sequence[int], width: int) -> None:
+        """Copy row ``j`` of a prefill cache (``lengths[j]`` columns from ``starts[j]``) into row ``rows[j]``,
         right-aligned before column ``width``; the cache then holds ``width`` columns."""
         for layer, source in zip(self.layers, prefill.layers):
-            for buffer, states in zip(layer.buffers, (source.keys, source.values)):
-                for j, (row, length) in enumerate(zip(rows, lengths)):
-                    buffer[row, :, width - length:width].copy_(states[j, :, :length])
+            for buffer, states in zip(layer.buffers, source.buffers):
+                for j, (row, length, start) in enumerate(zip(rows, lengths, starts)):
+                    buffer[row, :, width - length:width].copy_(states[j, :, start:start + length])
             layer.length = width
+
+    def place_prefixes(self, prefixes: Sequence[tuple[int, Sequence[LayerKV]]], end: int) -> None:
+        """Copy each ``(row, per-layer keys and values)`` into its row, right-aligned before column ``end``; the
+        cache then holds ``end`` columns."""
+        for index, layer in enumerate(self.layers):
+            for row, states in prefixes:
+                for buffer, tensor in zip(layer.buffers, states[index]):
+                    buffer[row, :, end - tensor.shape[1]:end].copy_(tensor)
+            layer.length = end
+            layer.keys, layer.values = (buffer[:, :, :end] for buffer in layer.buffers)
+
+    def row_states(self, row: int, start: int) -> list[LayerKV]:
+        """Copies of row ``row``'s keys and values from column ``start`` to the last one filled, per layer."""
+        return [tuple(buffer[row, :, start:layer.length].clone() for buffer in layer.buffers)  # type: ignore[misc]
+                for layer in self.layers]
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (ascending), moved up to the first ``len(index)`` rows of the same buffers."""
@@ -461,4 +541,4 @@ def from_config(cfg: SpadeConfig, tokenizer: Any) -> HFEngine:
     inf = cfg.inference
     return HFEngine(cfg.model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                     device=inf.device, dtype=inf.dtype, max_batch_size=inf.max_batch_size, seed=cfg.run.seed,
-                    weights_path=inf.hf_weights)
+                    weights_path=inf.hf_weights, prefix_cache_mb=inf.prefix_cache_mb)

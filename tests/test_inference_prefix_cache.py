@@ -1,0 +1,238 @@
+"""The hf engine's prefix cache: an agent's next turn prefills only its new tokens, and generates exactly what a
+full prefill does.
+
+Every comparison runs the same requests through two engines with the same weights, one with the cache and one
+without (prefix_cache_mb 0): the same tokens, log-probs within 1e-5. The cache must also be what it claims to be:
+reused (whole earlier turns, partial matches to the token), invalidated by every weight update, and bounded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import load_config
+from spade_mega.inference import EngineError, Generation, GenerationRequest, SamplingParams, build_engine
+from spade_mega.inference import hf as hf_module
+from spade_mega.inference.hf import HFEngine, build_hf_model
+from spade_mega.inference.prefix_cache import PrefixCache
+from spade_mega.tokenizer import byte_tokenizer
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
+EOS = byte_tokenizer().eos_token_id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(CONFIG, ["inference.device=cpu"])
+
+
+def make_engine(cfg, prefix_cache_mb: float, init_seed: int = 0, **kwargs) -> HFEngine:
+    torch.manual_seed(init_seed)  # the same seed, the same weights
+    return HFEngine(cfg.model, eos_token_id=EOS, pad_token_id=0, device="cpu", prefix_cache_mb=prefix_cache_mb,
+                    **kwargs)
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(1, EOS, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def sampling(i: int, turn: int) -> SamplingParams:
+    """Greedy and seeded samples mixed, completions of different lengths."""
+    return SamplingParams(max_new_tokens=4 + (3 * i + turn) % 7, temperature=0.0 if i % 2 else 1.0, seed=10 * i + turn)
+
+
+def converse(engine: HFEngine, prompts: list[tuple[int, ...]], turns: int,
+             between: Callable[[int, int], tuple[int, ...]] = lambda i, turn: tokens(20 + 7 * i, 100 * turn + i),
+             on_turn: Optional[Callable[[int], None]] = None) -> list[list[Generation]]:
+    """The lockstep rollout's calls: each turn prompts with the last prompt, its completion and a new observation."""
+    done: list[list[Generation]] = []
+    for turn in range(turns):
+        if on_turn is not None:
+            on_turn(turn)
+        done.append(engine.generate([GenerationRequest(p, sampling(i, turn)) for i, p in enumerate(prompts)]))
+        prompts = [p + g.output_ids + between(i, turn) for i, (p, g) in enumerate(zip(prompts, done[-1]))]
+    return done
+
+
+def assert_same(cached: list[Generation], plain: list[Generation]) -> None:
+    for a, b in zip(cached, plain, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_later_turns_prefill_only_their_new_tokens_and_generate_what_a_full_prefill_does(cfg, monkeypatch, chunked):
+    """Six episodes of three turns, prompts of 30 to 230 tokens, in prefill buckets of 400 padded tokens (several per
+    call); a fresh conversation joins at turn 2, so one call mixes cached and fresh prompts. Chunked: a mask budget of
+    5,000 entries forwards the suffixes in chunks of a few queries. Every later turn reuses its whole previous turn
+    (prompt and completion but its last token, whose keys were never computed) and forwards only the new tokens."""
+    if chunked:
+        monkeypatch.setattr(hf_module, "_MASK_ENTRIES", 5_000)
+    cached, plain = (make_engine(cfg, mb, prefill_tokens=400) for mb in (64, 0))
+    forwarded: list[int] = []  # tokens per row of each prefill forward
+    cached.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: forwarded.append(args[0].shape[1]) if args[0].shape[1] > 1 else None)
+    prompts = [tokens(30 + 40 * i, i) for i in range(6)]
+    previous: list[Generation] = []
+    for turn in range(3):
+        if turn == 1:
+            prompts.append(tokens(90, 99))  # a fresh conversation
+        requests = [GenerationRequest(p, sampling(i, turn)) for i, p in enumerate(prompts)]
+        reused, forwarded[:] = cached.prefix_cache.stats.reused_tokens, []
+        done = cached.generate(requests)
+        assert_same(done, plain.generate(requests))
+        reused = cached.prefix_cache.stats.reused_tokens - reused
+        assert reused == sum(len(g.prompt_ids) + len(g.output_ids) - 1 for g in previous)  # each turn whole
+        if turn > 0:
+            new = [len(r.prompt_ids) - len(g.prompt_ids) - len(g.output_ids) + 1 for r, g in zip(requests, previous)]
+            continued = [n for n in forwarded if n != 90]
+            assert (90 in forwarded) == (turn == 1)  # the newcomer, whole, in its own bucket
+            if chunked:
+                assert max(continued) < max(new) and len(continued) >= 2  # in chunks of queries
+            else:
+                assert max(continued) == max(new)  # buckets of the continued conversations' new tokens
+        previous = done
+        prompts = [p + g.output_ids + tokens(20 + 7 * i, 100 * turn + i) for i, (p, g) in enumerate(zip(prompts, done))]
+    assert len(cached.prefix_cache) == len(prompts)  # each turn's entry replaced its conversation's previous one
+
+
+def test_a_prompt_that_only_partly_matches_reuses_exactly_the_common_tokens(cfg):
+    """A prompt that leaves a cached sequence part way (a shared system prompt, then another episode) reuses the
+    tokens up to the first difference, not a block boundary; one that shares less than a block, nothing; one that
+    is the cached sequence itself, all but its last token (whose logits start the completion)."""
+    cached, plain = (make_engine(cfg, mb) for mb in (64, 0))
+    first = [GenerationRequest(tokens(200, 1), SamplingParams(max_new_tokens=8, temperature=0.0))]
+    done, = cached.generate(first)
+    assert_same([done], plain.generate(first))
+    sequence = done.prompt_ids + done.output_ids[:-1]  # what the cache holds
+    prompts = [sequence[:137] + tokens(50, 2), sequence, sequence[:10] + tokens(60, 3)]
+    requests = [GenerationRequest(p, SamplingParams(max_new_tokens=6, temperature=t, seed=5))
+                for p, t in zip(prompts, (0.0, 1.0, 0.0))]
+    stats = cached.prefix_cache.stats
+    reused = []
+    for request in requests:  # one lookup each, so each one's reuse is seen alone
+        before = stats.reused_tokens
+        assert_same(cached.generate([request]), plain.generate([request]))
+        reused.append(stats.reused_tokens - before)
+    assert reused == [137, len(sequence) - 1, 0]
+    assert_same(cached.generate(requests), plain.generate(requests))  # the three in one batch
+
+
+def test_a_weight_update_invalidates_the_cache(cfg):
+    """Keys and values computed by the old weights must never meet the new ones: after an update the next turn
+    prefills its whole prompt, and generates what an engine without a cache does with the new weights. A failed
+    update clears it too (the weights it computed with are gone either way)."""
+    cached, plain = (make_engine(cfg, mb) for mb in (64, 0))
+    torch.manual_seed(7)
+    weights = _checkpoint_weights(build_hf_model(cfg.model, dtype=torch.float32, device=torch.device("cpu")))
+    prompts = [tokens(80 + 30 * i, i) for i in range(3)]
+
+    def updating(engine: HFEngine) -> Callable[[int], None]:
+        def update(turn: int) -> None:
+            if turn == 1:
+                engine.update_weights([weights], version=1)
+            hits.append(engine.prefix_cache.stats.hits if engine.prefix_cache is not None else 0)
+        return update
+
+    hits: list[int] = []
+    generations = converse(cached, prompts, 3, on_turn=updating(cached))
+    assert hits[1] == hits[2] == 0  # turn 2 found nothing: the update cleared turn 1's sequences
+    assert cached.prefix_cache.stats.hits - hits[2] == len(prompts)  # turn 3 continued turn 2 from the cache
+    assert_same(sum(generations, []), sum(converse(plain, prompts, 3, on_turn=updating(plain)), []))
+
+    assert len(cached.prefix_cache) > 0
+
+    def failing():
+        yield {}
+        raise RuntimeError("the bridge lost a rank")
+
+    with pytest.raises(RuntimeError, match="lost a rank"):
+        cached.update_weights(failing(), version=2)
+    assert len(cached.prefix_cache) == 0
+
+
+def _checkpoint_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under checkpoint names (one tensor per expert projection), as the bridge streams them."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_the_cache_stays_within_its_budget_evicting_the_least_recently_used(cfg):
+    """A budget for about two of five conversations: every call ends within it, the oldest go first, the next turn
+    still generates what a full prefill does (from the cache where its conversation survived, else in full); a
+    sequence larger than the whole budget is never kept."""
+    per_token = 2 * cfg.model.num_layers * cfg.model.num_query_groups * cfg.model.kv_channels * 4  # float32 K and V
+    budget = 2.5 * 190 * per_token
+    cached, plain = make_engine(cfg, budget / 2**20), make_engine(cfg, 0)
+    prompts = [tokens(170 + 5 * i, i) for i in range(5)]
+    sizes: list[int] = []
+    generations = converse(cached, prompts, 2, on_turn=lambda turn: sizes.append(cached.prefix_cache.nbytes))
+    sizes.append(cached.prefix_cache.nbytes)
+    assert_same(sum(generations, []), sum(converse(plain, prompts, 2), []))
+    stats = cached.prefix_cache.stats
+    assert 0 < max(sizes) <= cached.prefix_cache.budget_bytes
+    assert stats.evictions >= 3 and 1 <= stats.hits < len(prompts)
+
+    tiny = make_engine(cfg, 100 * per_token / 2**20)  # room for 100 tokens: a 170-token sequence does not fit
+    request = [GenerationRequest(prompts[0], SamplingParams(max_new_tokens=4, temperature=0.0))]
+    assert_same(tiny.generate(request), plain.generate(request))
+    assert len(tiny.prefix_cache) == 0 and tiny.prefix_cache.nbytes == 0
+
+
+def _kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.full((2, n, 4), float(n)), torch.full((2, n, 4), -float(n)))]
+
+
+def test_prefix_cache_lookup_eviction_and_replacement():
+    """The data structure alone: the longest common prefix wins, a hit is a use for the LRU order, an entry that is
+    a prefix of a new one is replaced by it, and clear() empties it."""
+    per_entry = 2 * 2 * 4 * 4  # bytes per token of _kv
+    cache = PrefixCache(100 * per_entry, block=4)
+    a, b = tuple(range(40)), tuple(range(20)) + tuple(range(100, 120))
+    cache.store(a, _kv(40))
+    cache.store(b, _kv(40))
+    entry, n = cache.match(tuple(range(30)) + (7, 7))
+    assert n == 30 and entry.layers[0][0][0, 0, 0] == 40 and entry.ids.tolist() == list(a)
+    entry, n = cache.match(b[:25] + (1,))
+    assert n == 25 and entry.ids.tolist() == list(b)
+    assert cache.match(tuple(range(3)) + (9,) * 20) == (None, 0)  # less than a block in common
+    cache.match(a + (1,))  # a used after b: b is the least recently used
+    cache.store(tuple(range(200, 230)), _kv(30))  # 110 tokens > 100: one must go
+    assert [e.ids[0] for e in cache._entries.values()] == [0, 200] and cache.stats.evictions == 1
+    longer = a + (5,) * 10
+    entry, _ = cache.match(longer)
+    cache.store(longer, _kv(50), replaces=entry)  # a is a prefix of it: replaced, nothing evicted
+    assert [len(e.ids) for e in cache._entries.values()] == [30, 50] and cache.stats.evictions == 1
+    assert cache.nbytes == 80 * per_entry
+    with pytest.raises(ValueError, match="for a sequence of 12"):
+        cache.store(tuple(range(12)), _kv(11))
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.match(longer) == (None, 0)
+
+
+def test_prefix_cache_mb_is_a_checked_setting(cfg):
+    torch.manual_seed(0)
+    assert build_engine(cfg, byte_tokenizer()).prefix_cache.budget_bytes == int(cfg.inference.prefix_cache_mb * 2**20)
+    off = load_config(CONFIG, ["inference.device=cpu", "inference.prefix_cache_mb=0"])
+    assert build_engine(off, byte_tokenizer()).prefix_cache is None
+    with pytest.raises(ConfigError, match="inference.prefix_cache_mb: must be >= 0"):
+        load_config(CONFIG, ["inference.prefix_cache_mb=-1"])
+    with pytest.raises(EngineError, match="prefix_cache_mb must be >= 0"):
+        make_engine(cfg, float("nan"))
