@@ -12,7 +12,8 @@ that keeps their state as they do and records every call:
 - vLLM 0.32 (vllm/entrypoints/serve/dev/sleep/api_router.py, dev/server_info/api_router.py, v1/executor/abstract.py):
   ``POST /sleep?level=0..2`` answers ``{"status": "sleeping", "level"}`` (a level past 2 is HTTP 400);
   ``POST /wake_up?tags=...`` answers ``{"status": "awake"}`` once no tag sleeps, else ``"sleeping"``;
-  ``GET /server_info?config_format=json`` carries ``vllm_config.model_config.enable_sleep_mode``.
+  ``GET /server_info?config_format=json`` carries ``vllm_config.model_config.enable_sleep_mode``; ``GET
+  /is_sleeping`` answers ``{"is_sleeping": bool}``.
 
 A server refuses, as the real ones fail, to generate or reload while memory they need is released. What is checked:
 the engine calls every server with those requests, in the order release -> resume(weights) -> reload ->
@@ -116,6 +117,9 @@ class MemoryServer:
                 return 200, {"enable_memory_saver": self.memory_flag, "tp_size": 1, "version": "0.5.5"}
             return 200, {"vllm_config": {"model_config": {"enable_sleep_mode": self.memory_flag},
                                          "device_config": {"device": "cuda"}}, "vllm_env": {}, "system_env": {}}
+        if path == "/is_sleeping" and not sglang:  # vLLM: any tag asleep (or its scheduler paused)
+            self.events.append("is_sleeping")
+            return 200, {"is_sleeping": bool(self.released)}
         if path in ("/release_memory_occupation", "/sleep"):
             self.requests.append((target, body))
             if not sglang and not 0 <= int(query.get("level", ["1"])[0]) <= 2:
@@ -284,6 +288,22 @@ def test_closing_the_engine_wakes_a_server_it_attached_to(engine, model_folder, 
     released.close()
     released.close()
     assert fakes[0].memory_events() == ["release", "resume:weights", "resume:kv_cache"] and not fakes[0].released
+
+
+def test_a_vllm_server_left_asleep_by_a_killed_run_is_woken_by_the_next(model_folder, make_servers, caplog) -> None:
+    """A run killed between release and resume (no close) leaves an attached server asleep; the next run's engine
+    wakes it at start, before its first weight sync reloads every weight. (SGLang says nowhere what it released:
+    docs/inference_servers.md.)"""
+    (asleep,) = make_servers("vllm", count=1)
+    asleep.released = {"weights", "kv_cache"}
+    engine = _attach("vllm", [asleep], model_folder)
+    try:
+        assert not asleep.released and asleep.memory_events() == ["resume:weights", "resume:kv_cache"]
+        assert f"vLLM server at {asleep.url} holds no GPU memory for its kv_cache and weights" in caplog.text
+        engine.update_weights([load_file(str(model_folder / "model.safetensors"))], version=1)
+        engine.generate(_greedy())
+    finally:
+        engine.close()
 
 
 def test_the_setting_resolves_per_engine_and_placement(tmp_path) -> None:

@@ -307,13 +307,14 @@ class ServerEngine(ABC):
                  release_memory: bool = False) -> None:
         if not servers:
             raise EngineError(f"{self.name} engine: no server to talk to")
+        self.servers, self.model_dir = list(servers), Path(model_dir)
+        self.eos_token_id = eos_token_id
+        self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
         self.releases_memory = release_memory
         self._released: dict[str, set[str]] = {server.url: set() for server in servers}  # memory tags, per server
         if release_memory:  # before anything else: a server that cannot release fails the run at its start
             self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
-        self.servers, self.model_dir = list(servers), Path(model_dir)
-        self.eos_token_id = eos_token_id
-        self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
+            self._wake_left_asleep()
         self._weights = checkpoint_weights(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
@@ -464,6 +465,18 @@ class ServerEngine(ABC):
             raise EngineError(f"{self.name} server at {server.url} cannot release its GPU memory while the trainer "
                               f"steps: {problem}; or set inference.release_memory: false")
 
+    def _wake_left_asleep(self) -> None:
+        """Servers that a run which died between release and resume (killed, no close) left asleep are woken, so
+        that the new run's first weight sync (which reloads every weight) finds them able to load and serve."""
+        for server in self.servers:
+            held = self._held_memory(server)
+            if held:
+                log.warning("%s server at %s holds no GPU memory for its %s (an earlier run stopped between release "
+                            "and resume): waking it", self.name, server.url, " and ".join(sorted(held)))
+                self._released[server.url] = set(held)
+        for tag in MEMORY_TAGS:
+            self.resume_memory(tag)
+
     def _released_tags(self) -> set[str]:
         return set().union(*self._released.values())
 
@@ -475,6 +488,10 @@ class ServerEngine(ABC):
     @abstractmethod
     def _resume(self, server: Server, tag: MemoryTag, *, last: bool) -> None:
         """Have ``server`` take back the memory of ``tag`` (``last``: nothing else of it is released after this)."""
+
+    def _held_memory(self, server: Server) -> set[str]:
+        """The memory tags ``server`` has released now, as far as it says (by default it does not)."""
+        return set()
 
     @abstractmethod
     def _release_problem(self, server: Server) -> Optional[str]:

