@@ -25,6 +25,7 @@ from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.evaluation import EvalError, Evaluator, QAItem, load_items, log_metrics, pass_at_k, prompt_text
 from spade_mega.evaluation.scoring import SCORERS, as_number, last_boxed, normalise
 from spade_mega.inference import build_engine
+from spade_mega.selfplay.loop import scores_logged
 from spade_mega.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -482,6 +483,56 @@ def test_an_evaluation_that_fails_loses_no_training(tmp_path: Path) -> None:
     # and the rollout's own metrics are logged (the resumed run starts after it)
     [record] = map(json.loads, (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines())
     assert record["step"] == 1 and "train/loss" in record and not any(k.startswith("eval/") for k in record)
+
+
+KILLED_EVAL = """
+import os
+import signal
+import sys
+from spade_mega.cli import main
+from spade_mega.evaluation.runner import Evaluator
+
+def evaluate(self):
+    os.kill(os.getpid(), signal.SIGKILL)  # the job killed mid-evaluation: a time limit's SIGKILL, a lost node
+
+Evaluator.evaluate = evaluate
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_job_killed_during_evaluation_loses_nothing_its_resume_cannot_redo(tmp_path: Path) -> None:
+    """Killed (SIGKILL: no handler, no exit code) while scoring its last rollout's checkpoint, the job has logged
+    that rollout's metrics; the same command resumes and scores the checkpoint first, at the rollout's step (the
+    weights and seeds a straight run would have used: test_selfplay's resumed run logs the straight run's scores)."""
+    loop = [arg for arg in LOOP if not arg.startswith(("selfplay.num_rollouts", "eval."))]
+    args = ["train", str(TINY), f"run.output_dir={tmp_path}", *loop, *ISOLATION, "selfplay.num_rollouts=1",
+            "eval.interval=1", "eval.before_train=false"]
+    killed = subprocess.run([sys.executable, "-c", KILLED_EVAL, *args], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT, env=ONE_THREAD)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    metrics = tmp_path / "tiny_cpu" / "metrics.jsonl"
+    [rollout] = map(json.loads, metrics.read_text().splitlines())
+    assert rollout["step"] == 1 and "train/loss" in rollout and not any(k.startswith("eval/") for k in rollout)
+
+    resumed = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                             env=ONE_THREAD)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "evaluating the checkpoint of rollout 1 first" in resumed.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 1] and records[0] == rollout
+    assert records[1]["eval/arithmetic/items"] == 4 and records[1]["time/eval_s"] > 0
+    assert scores_logged(metrics, 1)  # so a later resume does not score it again
+
+
+def test_a_resume_finds_the_scores_of_a_step_in_the_metrics_file(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    assert not scores_logged(metrics, 2)  # no file yet
+    lines = ['{"step": 1, "time": 1.0, "eval/a/accuracy": 0.5}', '{"step": 2, "time": 2.0, "train/loss": 1.0}']
+    metrics.write_text("\n".join(lines) + "\n{not json\n")
+    assert scores_logged(metrics, 1) and not scores_logged(metrics, 2)  # the rollout's record is no score
+    metrics.write_text("\n".join(lines + ['{"step": 2, "time": 3.0, "eval/a/accuracy": 0.25}']) + "\n")
+    assert scores_logged(metrics, 2)
 
 
 def test_eval_scores_a_hugging_face_folder(tmp_path: Path, hf_folder: Path,

@@ -196,8 +196,12 @@ def _train(out: Path, *extra: str, signal_after: str | None = None) -> str:
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)}
-            for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    """Each step's metrics (a rollout's and, where it was evaluated, its scores, a record of their own), timings
+    aside."""
+    steps: dict[int, dict] = {}
+    for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        steps.setdefault(r["step"], {}).update({k: v for k, v in r.items() if not k.startswith(TIMING)})
+    return steps
 
 
 def _memory(run_dir: Path) -> list[dict]:
@@ -229,7 +233,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     stdout = _train(base / "b", f"inference.hf_weights={base / 'hf'}", signal_after="resumed from")
     assert "stopped on SIGUSR1 after 2 rollouts" in stdout and "resumed at rollout 1" in stdout
     assert [store.read_state(ckpt).rollout for ckpt in sorted(store.root.glob("step_*"))] == [1, 2]
+    # rollout 2 was due its evaluation (eval.interval 2): the stopped job left it to the resumed one
+    assert not any(k.startswith("eval/") for k in _records(resumed)[2])
     assert "resumed at rollout 2" in _train(base / "b", f"inference.hf_weights={base / 'hf'}")
+    assert "evaluating the checkpoint of rollout 2 first" in (base / "b" / "stderr.log").read_text()
     return straight, resumed
 
 
@@ -237,14 +244,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs: tuple[Path, Path]) -> None:
     run_dir = runs[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 2, 3]  # rollout 2's scores: a record after the rollout's own
+    assert {k for k in records[2] if not k.startswith(("eval/", "gpu/"))} == {"step", "time", "time/eval_s"}
+    records = [records[0], records[1], records[3]]
     for r in records:
         for key in ("agent/return", "agent/win_rate", "designer/regret", "train/loss", "time/rollout_s",
                     "time/train_s", "perf/agent/generated_tokens_per_s", "envs/designer", "envs/library"):
             assert key in r, key
         assert r["envs/designer"] + r["envs/library"] == 2  # a random model writes no valid program: library fill
     assert "designer/valid_rate" in records[0] and "designer/valid_rate" in records[2]
-    assert [r["step"] for r in records if "eval/arithmetic/accuracy" in r] == [2]  # eval.interval 2
+    assert [step for step, r in _records(run_dir).items() if "eval/arithmetic/accuracy" in r] == [2]  # interval 2
     assert (run_dir / "report.html").is_file() and (run_dir / "config.yaml").is_file()
     store = CheckpointStore(run_dir)
     states = [store.read_state(ckpt) for ckpt in sorted(store.root.glob("step_*"))]

@@ -20,7 +20,8 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
    saved together (state.py).
 5. Every ``eval.interval`` rollouts (and before the first with ``eval.before_train``), after the weight sync and that
    rollout's checkpoint (an evaluation that fails loses no training), rank 0 scores the engine on the held-out
-   suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step (step 0 before training).
+   suites (spade_mega/evaluation): ``eval/<suite>/<metric>`` at that rollout's step (step 0 before training). A job
+   stopped (SIGUSR1) or killed before the scores were logged has them redone first by its resumed run.
    Evaluation seeds its own sampling, so training goes on as without it.
 
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
@@ -59,6 +60,7 @@ from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.parallel import init_distributed
 from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, require_wandb, setup_logging, transcripts
+from spade_mega.monitor.records import METRICS_FILE, scan
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
 from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
 from spade_mega.selfplay.lock import RunDirLock
@@ -542,6 +544,10 @@ class SelfPlay:
                 as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
             if cfg.eval.before_train and checkpoint is None:  # the starting weights, at step 0
                 metrics.log(0, _from_rank0(lambda: actor.evaluate(), share=True))
+            if checkpoint is not None and self._evaluation_missing(start):
+                log.info("resume: evaluating the checkpoint of rollout %d first (the interrupted job stopped before "
+                         "its scores were logged)", start)
+                metrics.log(start, _from_rank0(lambda: actor.evaluate(), share=True))
             for r in range(start + 1, total + 1):
                 began = time.perf_counter()
                 samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
@@ -557,19 +563,22 @@ class SelfPlay:
                     started = time.perf_counter()
                     self._save(trainer, actor, r)
                     values["time/checkpoint_s"] = time.perf_counter() - started
-                # after the save: an evaluation that fails (an engine out of memory on long answers) or outlasts a
-                # time limit loses no training, and the rollout's metrics so far are written even then (on close)
-                if cfg.eval.interval and r % cfg.eval.interval == 0:
-                    metrics.log(r, values, commit=False)
-                    values.update(_from_rank0(lambda: actor.evaluate(), share=True))
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
+                # written, then evaluated (after the save): an evaluation that fails (an engine out of memory on long
+                # answers) or a job killed during it (a time limit) loses no training and none of the rollout's
+                # metrics; its scores, a second record of the step, are what the resumed run redoes (_evaluation_missing)
                 metrics.log(r, values)
+                if cfg.eval.interval and r % cfg.eval.interval == 0 and not stopped:
+                    scores = _from_rank0(lambda: actor.evaluate(), share=True)
+                    metrics.log(r, scores)
+                    values.update(scores)
                 bar.update(r, values)
                 done = r
                 if stopped:
                     log.warning("SIGUSR1: stopped after rollout %d of %d, checkpoint saved; the same command "
-                                "resumes from it", r, total)
+                                "resumes from it%s", r, total, ", and evaluates it first" if
+                                cfg.eval.interval and r % cfg.eval.interval == 0 else "")
                     break
         report = None
         if dist.get_rank() == 0:
@@ -634,6 +643,17 @@ class SelfPlay:
         values["time/engine_resume_s"] = took + _from_rank0(lambda: resume("kv_cache"), share=True)
         return synced
 
+    def _evaluation_missing(self, r: int) -> bool:
+        """Whether rollout ``r`` was due an evaluation whose scores metrics.jsonl lacks: a job stopped by SIGUSR1 leaves
+        it to the resumed run, one killed during it lost it. Its checkpoint holds the weights it would have scored,
+        and evaluation seeds its own sampling, so the resumed run logs the scores the interrupted one would have.
+        Without ``logging.jsonl`` nothing says whether it ran: it is run again (the same scores). Every rank gets rank
+        0's answer."""
+        if not (self.cfg.eval.interval and r % self.cfg.eval.interval == 0):
+            return False
+        jsonl = self.cfg.logging.jsonl
+        return bool(_from_rank0(lambda: not (jsonl and scores_logged(self.run_dir / METRICS_FILE, r)), share=True))
+
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""
 
@@ -657,6 +677,14 @@ def _fixed_program(env: FixedEnvConfig, i: int) -> EnvProgram:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}: {exc}") from None
     return EnvProgram(source, env.hint, env.skill, {"origin": "fixed", "name": Path(env.path).stem, "path": env.path})
+
+
+def scores_logged(metrics_file: Path, step: int) -> bool:
+    """Whether a run's metrics.jsonl holds evaluation scores (``eval/...``) at ``step``."""
+    if not metrics_file.is_file():
+        return False
+    records = [line.record for line in scan(metrics_file) if line.record is not None]
+    return any(r.step == step and any(name.startswith("eval/") for name in r.metrics) for r in records)
 
 
 def _rejection_metrics(outcomes: Sequence[Any]) -> dict[str, float]:
