@@ -362,6 +362,7 @@ sys.exit(main(["train", *sys.argv[2:]]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_sync(tmp_path, make_servers) -> None:
     """Two data-parallel ranks, rank 0's engine attached to an SGLang-speaking server: in each rollout every
