@@ -567,7 +567,7 @@ class SelfPlay:
                 values["train/optimizer_step"] = float(trainer.step)
                 # written, then evaluated (after the save): an evaluation that fails (an engine out of memory on long
                 # answers) or a job killed during it (a time limit) loses no training and none of the rollout's
-                # metrics; its scores, a second record of the step, are what the resumed run redoes (_evaluation_missing)
+                # metrics; its scores, a second record of the step, are what a resumed run redoes (_evaluation_missing)
                 metrics.log(r, values)
                 if cfg.eval.interval and r % cfg.eval.interval == 0 and not stopped:
                     scores = _from_rank0(lambda: actor.evaluate(), share=True)
