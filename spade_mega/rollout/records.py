@@ -186,6 +186,14 @@ class AgentEpisode:
                 and self.failure in (None, EpisodeFailure.CONTEXT_OVERFLOW))
 
     @property
+    def program_fault(self) -> Optional[Reason]:
+        """The validation reason a program that broke this episode earns (``timeout``: a call past
+        ``sandbox.call_timeout_s``; ``program_error``: any other sandbox failure), as if validation had met it; None
+        when the program did not break."""
+        return {EpisodeFailure.STEP_TIMEOUT: Reason.TIMEOUT,
+                EpisodeFailure.SANDBOX_ERROR: Reason.PROGRAM_ERROR}.get(self.failure)  # type: ignore[arg-type]
+
+    @property
     def designer_failure(self) -> Optional[Failure]:
         """The failure the designer of this environment is penalised for: a timeout is ``step_timeout``, any other
         program failure ``invalid_program``; context overflows are the agent's (None)."""

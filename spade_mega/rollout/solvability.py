@@ -33,12 +33,10 @@ from spade_mega.envs.validate import Reason, SolvabilityCheck, SolvabilityVerdic
 from spade_mega.inference.base import Engine, EngineError, GenerationRequest, SamplingParams
 from spade_mega.rollout.agent import play_episodes
 from spade_mega.rollout.chat import ChatTurns, decode, encode
-from spade_mega.rollout.records import AgentEpisode, AgentPlay, EpisodeFailure, RolloutStats
+from spade_mega.rollout.records import AgentEpisode, AgentPlay, RolloutStats
 from spade_mega.rollout.sampling import derived_seed
 
 log = logging.getLogger(__name__)
-
-_BROKEN = {EpisodeFailure.STEP_TIMEOUT: Reason.TIMEOUT, EpisodeFailure.SANDBOX_ERROR: Reason.PROGRAM_ERROR}
 
 
 class PlayedSolvability:
@@ -76,10 +74,10 @@ class PlayedSolvability:
                 "generated_tokens": float(sum(ep.sequence.num_generated for ep in episodes)),
                 # each turn's request carries the whole context before it, as RolloutStats counts prompt tokens
                 "prompt_tokens": float(sum(start for ep in episodes for start, _ in ep.turn_spans))}
-        broken = next((ep for ep in episodes if ep.failure in _BROKEN), None)
-        if broken is not None:
-            return SolvabilityVerdict(False, f"while the policy played it with the hint (seed {broken.seed}): "
-                                             f"{broken.failure_detail}", _BROKEN[broken.failure], cost)
+        for ep in episodes:
+            if (fault := ep.program_fault) is not None:
+                return SolvabilityVerdict(False, f"while the policy played it with the hint (seed {ep.seed}): "
+                                                 f"{ep.failure_detail}", fault, cost)
         threshold, needed = self.cfg.rewards.win_threshold, self.check.min_wins
         best = max(ep.reward for ep in episodes)
         detail = (f"{wins} of {len(episodes)} attempts with the hint won (reward >= rewards.win_threshold "

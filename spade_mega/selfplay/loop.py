@@ -54,6 +54,7 @@ from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale, win_r
 from spade_mega.curriculum.skills import SkillRegistry, SkillScheduler
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
+from spade_mega.envs.validate import Reason
 from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
@@ -369,7 +370,9 @@ class _Actor:
         return reports
 
     def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers."""
+        """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers. A
+        program that breaks in play (a call raises or hangs) leaves the set, marked failed in the buffer (the designer's
+        penalty) and invalid in the memory."""
         from spade_mega.rollout import AgentPlay
 
         cfg, seed = self.cfg, self.cfg.run.seed
@@ -404,8 +407,13 @@ class _Actor:
             failures += len([ep for ep in mine if ep.failure is not None])
             if broke:
                 failed.add(env.env_id)
+                timed_out = "step_timeout" in broke
                 if env.env_id in self.buffer:
-                    self.buffer.mark_failed(env.env_id, "step_timeout" if "step_timeout" in broke else broke[0])
+                    self.buffer.mark_failed(env.env_id, "step_timeout" if timed_out else broke[0])
+                # invalid, with the reason validation would have given: its plays stay recorded, but a program that
+                # breaks is no seed for the designer (one whose hint plays win has a high regret)
+                self.memory.set_validation(env.env_id, False,
+                                           (Reason.TIMEOUT if timed_out else Reason.PROGRAM_ERROR).value)
             # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns
             mean_agent = _mean(agent) if agent else 0.0
             regret = (_mean(hint) if hint else mean_agent) - mean_agent
