@@ -76,16 +76,22 @@ def test_fixed_environments_must_fill_every_slot() -> None:
     assert info.value.path == "selfplay.environments[0].skill"
 
 
-@pytest.mark.parametrize("source, message", [(None, "cannot read"),
-                                             ("class Env:\n    max_turns = 1\n    def reset(self, seed):\n"
-                                              "        return 3\n", "not a valid environment program")])
-def test_a_fixed_program_that_is_missing_or_invalid_stops_the_run_naming_it(tmp_path: Path, source: str | None,
-                                                                            message: str) -> None:
+@pytest.mark.parametrize("source, message, entry", [
+    (None, "cannot read", 0),
+    ("class Env:\n    max_turns = 1\n    def reset(self, seed):\n        return 3\n", "not a valid environment program",
+     0),
+    # a second copy would be one environment counted twice: its plays grouped with both entries' (the env id is the
+    # program's content hash)
+    ((ROOT / "examples" / "envs" / "first_char.py").read_text(), "the same program, hint and skill as entry 0", 1)])
+def test_a_fixed_program_that_is_missing_invalid_or_repeated_stops_the_run_naming_it(
+        tmp_path: Path, source: str | None, message: str, entry: int) -> None:
     program = tmp_path / "broken.py"
     if source is not None:
         program.write_text(source)
+    listed = [f"{{path: {ROOT / 'examples' / 'envs' / 'first_char.py'}, skill: logic}}"] * entry + \
+        [f"{{path: {program}, skill: logic}}"]
     cfg = load_config(LEARN, [f"run.output_dir={tmp_path}", "selfplay.num_rollouts=1", *QUIET, *_isolation(),
-                              f"selfplay.environments=[{{path: {program}, skill: logic}}]"])
+                              f"selfplay.environments=[{', '.join(listed)}]", f"rollout.envs_per_rollout={entry + 1}"])
     with pytest.raises(ConfigError, match=message) as info:
         SelfPlay(cfg).run()
-    assert info.value.path == "selfplay.environments[0].path" and str(program) in str(info.value)
+    assert info.value.path == f"selfplay.environments[{entry}].path" and str(program) in str(info.value)

@@ -148,7 +148,7 @@ class _Actor:
         self.closing: list[Any] = []
         self.writer = transcripts.BackgroundWriter()
         try:
-            self.fixed = [_fixed_program(env, i) for i, env in enumerate(cfg.selfplay.environments)]
+            self.fixed = _fixed_programs(cfg.selfplay.environments)
             tokenizer = load_tokenizer(cfg.model.tokenizer)
             registry = SkillRegistry.from_config(cfg.curriculum)
             self.scheduler = SkillScheduler(registry, cfg.curriculum.active_skills)
@@ -678,13 +678,23 @@ class SelfPlay:
             self.store.prune_states()
 
 
-def _fixed_program(env: FixedEnvConfig, i: int) -> EnvProgram:
-    """The program file of ``selfplay.environments[i]``, as text (it runs only in the sandbox)."""
-    try:
-        source = Path(env.path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}: {exc}") from None
-    return EnvProgram(source, env.hint, env.skill, {"origin": "fixed", "name": Path(env.path).stem, "path": env.path})
+def _fixed_programs(envs: Sequence[FixedEnvConfig]) -> list[EnvProgram]:
+    """The program files of ``selfplay.environments``, as text (they run only in the sandbox). Each must be another
+    environment: the content hash is the environment's id, so a repeated one would be one environment counted twice."""
+    programs: list[EnvProgram] = []
+    for i, env in enumerate(envs):
+        try:
+            source = Path(env.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}: {exc}") from None
+        program = EnvProgram(source, env.hint, env.skill, {"origin": "fixed", "name": Path(env.path).stem,
+                                                           "path": env.path})
+        first = next((k for k, p in enumerate(programs) if p.content_hash == program.content_hash), None)
+        if first is not None:
+            raise ConfigError(f"selfplay.environments[{i}].path", f"{env.path} is the same program, hint and skill as "
+                              f"entry {first} ({envs[first].path}): list each environment once")
+        programs.append(program)
+    return programs
 
 
 def scores_logged(metrics_file: Path, step: int) -> bool:
