@@ -60,10 +60,12 @@ class MemoryServer:
     """An SGLang- or vLLM-speaking server (see the module docstring) on a free port, in a thread. ``events`` is every
     call in order (``release``, ``resume:weights``, ``reload``, ``generate``, ``info``, ...; the self-play test's
     trainer ranks add theirs); ``requests`` the exact (path, body) of each memory call. ``memory_flag``: started with
-    --enable-memory-saver / --enable-sleep-mode; ``refuse``: an event answered with an error instead."""
+    --enable-memory-saver / --enable-sleep-mode; ``refuse``: an event answered with an error instead; ``dev_mode``
+    (vLLM): VLLM_SERVER_DEV_MODE=1, without which its memory and reload routes do not exist."""
 
-    def __init__(self, engine: str, *, memory_flag: bool = True, refuse: str | None = None) -> None:
-        self.engine, self.memory_flag, self.refuse = engine, memory_flag, refuse
+    def __init__(self, engine: str, *, memory_flag: bool = True, refuse: str | None = None,
+                 dev_mode: bool = True) -> None:
+        self.engine, self.memory_flag, self.refuse, self.dev_mode = engine, memory_flag, refuse, dev_mode
         self.events: list[str] = []
         self.requests: list[tuple[str, Any]] = []
         self.released: set[str] = set()
@@ -109,6 +111,9 @@ class MemoryServer:
             self.events.append(f"trainer:{path.split('/')[-1]}:{query['rank'][0]}")
             return 200, None
         sglang = self.engine == "sglang"
+        if not (sglang or self.dev_mode) and path in ("/server_info", "/sleep", "/wake_up", "/is_sleeping",
+                                                      "/collective_rpc", "/reset_prefix_cache"):
+            return 404, {"detail": "Not Found"}  # vLLM mounts them only with VLLM_SERVER_DEV_MODE=1
         if path in ("/health", "/v1/models"):
             return 200, {"data": [{"id": "served-model"}]}
         if path in ("/get_server_info", "/server_info"):
@@ -253,6 +258,11 @@ def test_a_server_started_without_the_memory_flag_is_refused_at_start(engine, fl
     assert f"server at {unable.url} cannot release its GPU memory" in message and able.url not in message
     assert f"started without {flag}" in message and "inference.release_memory: false" in message
     assert "release" not in able.events + unable.events
+    if engine == "vllm":
+        (plain,) = make_servers(engine, count=1, dev_mode=False)
+        with pytest.raises(EngineError, match=f"server at {plain.url} cannot release .*no GET /server_info.*"
+                                              "VLLM_SERVER_DEV_MODE=1"):
+            _attach(engine, [plain], model_folder)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -380,8 +390,8 @@ def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_s
                  "selfplay.global_batch_size=4", "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
                  "rollout.hint_plays_per_env=1", "rollout.max_turns=1", "rollout.max_response_tokens=8",
                  "rollout.max_designer_tokens=8", "curriculum.corpus.token_budget=64", "eval.interval=2",
-                 "eval.before_train=false", "logging.tensorboard=false", "logging.progress=false", "sandbox.warm_workers=1",
-                 *isolation]
+                 "eval.before_train=false", "logging.tensorboard=false", "logging.progress=false",
+                 "sandbox.warm_workers=1", *isolation]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), fake.url, str(TINY), *overrides], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})

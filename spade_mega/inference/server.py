@@ -447,8 +447,8 @@ class ServerEngine(ABC):
             self._release(server)
         except EngineError as exc:
             raise EngineError(f"{self.name} server at {server.url} did not release its GPU memory ({exc}), so the "
-                              f"trainer would step beside its weights and KV cache; start it with "
-                              f"{self.memory_release_flag} or set inference.release_memory: false") from None
+                              "trainer would step beside its weights and KV cache; its log says why (or set "
+                              "inference.release_memory: false)") from None
         self._released[server.url].update(MEMORY_TAGS)
 
     def _resume_one(self, server: Server, tag: MemoryTag) -> None:
@@ -460,7 +460,10 @@ class ServerEngine(ABC):
         self._released[server.url].discard(tag)
 
     def _check_release(self, server: Server) -> None:
-        problem = self._release_problem(server)
+        try:
+            problem = self._release_problem(server)
+        except EngineError as exc:
+            problem = f"asking whether it can failed ({exc})"
         if problem:
             raise EngineError(f"{self.name} server at {server.url} cannot release its GPU memory while the trainer "
                               f"steps: {problem}; or set inference.release_memory: false")

@@ -36,7 +36,7 @@ import torch
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.inference.base import MEMORY_TAGS, EngineError, GenerationRequest, MemoryTag
-from spade_mega.inference.server import Server, ServerEngine
+from spade_mega.inference.server import HTTPStatusError, Server, ServerEngine
 
 
 class VLLMEngine(ServerEngine):
@@ -143,7 +143,13 @@ class VLLMEngine(ServerEngine):
         return set(MEMORY_TAGS) if isinstance(reply, dict) and reply.get("is_sleeping") else set()
 
     def _release_problem(self, server: Server) -> Optional[str]:
-        info = server.request("GET", "/server_info?config_format=json", timeout_s=120.0)
+        try:
+            info = server.request("GET", "/server_info?config_format=json", timeout_s=120.0)
+        except HTTPStatusError as exc:
+            if exc.status != 404:
+                raise
+            return ("it has no GET /server_info, so no sleep endpoints either: they are dev-mode ones, start it with "
+                    "VLLM_SERVER_DEV_MODE=1 (and --enable-sleep-mode)")
         try:
             config = info["vllm_config"]
             enabled, device = config["model_config"]["enable_sleep_mode"], config["device_config"]["device"]
