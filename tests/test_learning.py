@@ -30,7 +30,7 @@ def _isolation() -> list[str]:
     return [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
 
 
-def _win_rates(run_dir: Path) -> list[dict]:
+def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -40,7 +40,8 @@ def _mean(values: list[float]) -> float:
 
 @pytest.mark.slow
 def test_the_win_rate_rises_with_training_and_stays_flat_at_lr_0(tmp_path: Path) -> None:
-    runs = {"learn": [], "flat": ["optimizer.lr=1e-12"]}  # the config refuses 0; no such update survives float32 rounding
+    # the config refuses a learning rate of 0; no update at 1e-12 survives float32 rounding
+    runs = {"learn": [], "flat": ["optimizer.lr=1e-12"]}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {name: subprocess.Popen([str(SCRIPT), "train", str(LEARN), f"run.output_dir={tmp_path}",
                                      f"run.name={name}", *QUIET, *_isolation(), *extra],
@@ -49,7 +50,7 @@ def test_the_win_rate_rises_with_training_and_stays_flat_at_lr_0(tmp_path: Path)
     for name, proc in procs.items():
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name}: {stderr[-4000:]}"
-    learn, flat = (_win_rates(tmp_path / name) for name in runs)
+    learn, flat = (_records(tmp_path / name) for name in runs)
     for records in (learn, flat):
         assert [r["step"] for r in records] == list(range(1, 21))
         assert all(r["agent/episodes"] == 32 and r["envs/fixed"] == 1 and r["envs/designer"] == 0 for r in records)

@@ -28,7 +28,7 @@ BASELINE_LR = 1e-12
 
 
 def win_rates(out: Path, runs: dict[str, list[str]]) -> dict[str, list[float]]:
-    """``agent/win_rate`` per rollout of each named run (``spade-mega train`` with those overrides), run side by side."""
+    """``agent/win_rate`` per rollout of each named run (``spade-mega train`` with its overrides), side by side."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = {name: subprocess.Popen([str(SCRIPT), "train", str(CONFIG), f"run.output_dir={out}", f"run.name={name}",
                                      "logging.progress=false", "logging.tensorboard=false", *extra],
@@ -38,8 +38,8 @@ def win_rates(out: Path, runs: dict[str, list[str]]) -> dict[str, list[float]]:
         _, stderr = proc.communicate()
         if proc.returncode != 0:
             raise SystemExit(f"run {name} failed:\n{stderr[-3000:]}")
-    return {name: [json.loads(line)["agent/win_rate"] for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-            for name in runs}
+    return {name: [json.loads(line)["agent/win_rate"]
+                   for line in (out / name / "metrics.jsonl").read_text().splitlines()] for name in runs}
 
 
 def _mean(values: Sequence[float]) -> float:
