@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spade_mega.evaluation.scoring import SCORERS, boxed_answers, final_answer
+from spade_mega.evaluation.scoring import SCORERS, boxed_answers, final_answer, stated_answers
 from spade_mega.evaluation.symbolic import MAX_CHARS, expression, parse_answer
 
 SAME = [  # (answer the model boxed, reference)
@@ -71,6 +71,9 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("\\frac{\\pi}{2}", "\\frac{\\pi}{3}"),
     ("y = 2x + 1", "y = 2x - 1"),
     ("x + y = 1", "x - y = 1"),
+    ("\\text{east}", "\\text{seat}"),  # words are no products of variables: anagrams differ
+    ("\\text{no}", "\\text{on}"),
+    ("odd", "dod"),
 ]
 
 
@@ -86,26 +89,30 @@ def test_different_values_do_not_score(answer: str, reference: str) -> None:
     assert not SCORERS["boxed"](f"\\boxed{{{reference}}}", answer)[1]
 
 
-HEDGES = [  # (scorer, reply, reference, right?)
-    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "6", False),  # one of them right: still a hedge
-    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "5", False),
-    ("boxed", "\\boxed{\\frac{1}{2}}; as a decimal, \\boxed{0.5}.", "1/2", True),  # the same answer twice
-    ("boxed", "\\boxed{2^{10}} = \\boxed{1024}", "1024", True),
-    ("boxed", "\\boxed{1024} then \\boxed{1024}", "1024", True),
-    ("boxed", "\\boxed{7} and \\boxed{7", "7", False),  # the last box was cut off
-    ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", False),
-    ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", True),
-    ("exact", "\\boxed{Paris} or \\boxed{Lyon}", "Lyon", False),
-    ("exact", "\\boxed{Paris}, so: \\boxed{ Paris }", "Paris", True),
+HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)
+    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "6", "5, 6", False),  # one of them right: still a hedge
+    ("boxed", "It is \\boxed{5}, or maybe \\boxed{6}.", "5", "5, 6", False),
+    ("boxed", "\\boxed{\\frac{1}{2}}; as a decimal, \\boxed{0.5}.", "1/2", "0.5", True),  # the same answer twice
+    ("boxed", "\\boxed{2^{10}} = \\boxed{1024}", "1024", "1024", True),
+    ("boxed", "\\boxed{1024} then \\boxed{1024}", "1024", "1024", True),
+    ("boxed", "\\boxed{7} and \\boxed{7", "7", None, False),  # the last box was cut off
+    ("boxed", "I must put the answer in \\boxed{}. Done: \\boxed{7}", "7", "7", True),  # an empty box is none
+    # a box per solution states the list: it is right against a reference listing exactly those
+    ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "-5, 3", "3, -5", True),
+    ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3", "3, -5", False),
+    ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3, -5, 1", "3, -5", False),
+    ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", None, False),
+    ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", "C", True),
+    ("choice", "Reply with \\boxed{} holding a letter. \\boxed{B}", "B", "B", True),
+    ("exact", "\\boxed{Paris} or \\boxed{Lyon}", "Lyon", None, False),
+    ("exact", "\\boxed{Paris}, so: \\boxed{ Paris }", "Paris", " Paris ", True),
 ]
 
 
-@pytest.mark.parametrize("scorer, reply, reference, right", HEDGES)
+@pytest.mark.parametrize("scorer, reply, reference, answer, right", HEDGES)
 def test_two_different_boxed_answers_are_a_hedge_and_score_0(scorer: str, reply: str, reference: str,
-                                                            right: bool) -> None:
-    answer, ok = SCORERS[scorer](reply, reference)
-    assert ok is right
-    assert (answer is not None) is right  # a hedge has no answer to report
+                                                            answer: str | None, right: bool) -> None:
+    assert SCORERS[scorer](reply, reference) == (answer, right)
 
 
 def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
@@ -113,6 +120,10 @@ def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
         ["\\frac{a}{\\sqrt{b}}", "2", "3", None]
     assert boxed_answers("\\boxed{\\boxed{5}}") == ["5"]
     assert final_answer("no box. Answer: 12") == "12" and final_answer("\\boxed{1} \\boxed{2}") is None
+    boxes = "\\boxed{1} \\boxed{2} \\boxed{1.0} \\boxed{}"
+    assert stated_answers(boxes) == ["1", "2", "1.0"]  # as text 1 is not 1.0; each in its last box's form
+    assert stated_answers(boxes, SCORERS["boxed"].equal) == ["2", "1.0"]  # as maths it is
+    assert stated_answers("\\boxed{1} \\boxed{2}", lambda a, b: True) == ["2"] and stated_answers("none") is None
 
 
 PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{9}}", "x^{10^{9}}",

@@ -4,15 +4,15 @@ One mechanism, three parametrisations (``eval.suites[].scorer``): each scorer *e
 completion and *compares* it with the reference answer.
 
 - ``boxed`` (maths, AIME-style): the content of the ``\\boxed{...}`` (braces nested to any depth), else the last
-  ``Answer: ...`` line; a reply boxing two different answers is a hedge and has none (the same answer boxed twice, in
-  any form, is one). Compared, in this order: as exact rational numbers when both read as one (``1,000`` =
-  ``1000``, ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``; a comma followed by a space separates list
-  entries, so ``1, 234`` is no number; around a number, ``x =``, ``\\$``, ``\\%``, ``^\\circ`` and a trailing unit in
-  ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting, MATH's answers drop them, except that two different
-  units never match: ``5\\text{ cm}`` is not ``5\\text{ m}``); as text after normalisation (spaces, ``$``,
-  ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop); else symbolically (``symbolic.py``:
-  ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, tuples element by element, never ``1.414`` = ``\\sqrt{2}``).
-  A reference holding a ``\\boxed{}`` (a worked solution) is its boxed answer.
+  ``Answer: ...`` line; a reply boxing two different answers states their list, right only against a reference listing
+  exactly those, a hedge otherwise (the same answer boxed twice, in any form, is one). Compared, in this order: as exact
+  rational numbers when both read as one (``1,000`` = ``1000``, ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``;
+  a comma followed by a space separates list entries, so ``1, 234`` is no number; around a number, ``x =``, ``\\$``,
+  ``\\%``, ``^\\circ`` and a trailing unit in ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting, MATH's
+  answers drop them, except that two different units never match: ``5\\text{ cm}`` is not ``5\\text{ m}``); as text
+  after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop); else
+  symbolically (``symbolic.py``: ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, tuples element by element, never
+  ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
   hedge, ``A or B``, nor do two different boxed letters), or a reply that is just the letter (``(C)``); compared with
@@ -95,18 +95,37 @@ def last_boxed(text: str) -> Optional[str]:
     return boxes[-1] if boxes else None
 
 
-def final_answer(text: str, same: Optional[Callable[[str, str], bool]] = None) -> Optional[str]:
-    """The boxed answer, else the last ``Answer: ...`` line's text; None when the reply states neither, and when it
-    boxes two different answers (a hedge; ``same`` decides, by default text equality after normalisation)."""
-    boxes = boxed_answers(text)
+def stated_answers(text: str, same: Optional[Callable[[str, str], bool]] = None) -> Optional[list[str]]:
+    """The different answers a reply boxes (``same`` decides, by default text equality after normalisation; each in
+    the form of its last box), else its last ``Answer: ...`` line; None when it states none or its last box was cut
+    off. An empty box is none: a reply restating its instructions ("within \\boxed{}") boxes nothing."""
+    boxes = [box for box in boxed_answers(text) if box is None or normalise(box)]
     if not boxes:
         lines = _ANSWER_LINE.findall(text)
-        return lines[-1] if lines else None
-    last = boxes[-1]
-    if last is None:
+        return [lines[-1]] if lines else None
+    if boxes[-1] is None:
         return None
     same = same or (lambda a, b: normalise(a) == normalise(b))
-    return None if any(box is None or not same(box, last) for box in boxes[:-1]) else last
+    answers: list[str] = []
+    for box in reversed(boxes):  # type: ignore[assignment]  # only the last can be None, and it is not
+        if not any(same(box, answer) for answer in answers):
+            answers.append(box)
+    return answers[::-1]
+
+
+def final_answer(text: str, same: Optional[Callable[[str, str], bool]] = None) -> Optional[str]:
+    """The boxed answer, else the last ``Answer: ...`` line's text; None when the reply states neither, and when it
+    boxes two different answers (a hedge; see ``stated_answers``)."""
+    answers = stated_answers(text, same)
+    return answers[0] if answers is not None and len(answers) == 1 else None
+
+
+def _maths_answer(reply: str) -> Optional[str]:
+    """The boxed scorer's answer: the one answer the reply states, or the list of the different ones it boxes
+    (``a, b``), which equals only a reference that lists exactly those (MATH's "all solutions": an answer boxed per
+    solution); against a single answer it is a hedge and scores 0."""
+    answers = stated_answers(reply, _same_maths)
+    return None if answers is None else ", ".join(answers)
 
 
 def _unwrap(text: str) -> str:
@@ -232,7 +251,7 @@ def reference_letter(reference: str) -> str:
 
 
 SCORERS: dict[str, Scorer] = {
-    "boxed": Scorer("boxed", lambda reply: final_answer(reply, _same_maths), _same_maths),
+    "boxed": Scorer("boxed", _maths_answer, _same_maths),
     "choice": Scorer("choice", choice_letter, lambda answer, reference: answer == reference_letter(reference)),
     "exact": Scorer("exact", _exact_answer,
                     lambda answer, reference: normalise(answer) == normalise(reference)),

@@ -14,7 +14,8 @@ dropped; two equations are the same when their ``lhs - rhs`` agree up to sign), 
 percentage equals its number with or without the sign, and its number / 100 against a side without one), degrees
 (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match).
 
-Refused (not translated): a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``,
+Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make
+anagrams equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``,
 inequalities, factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, and a power whose value would
 have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``): sympy evaluates integer powers as it builds them, so the size is
 checked before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
@@ -343,6 +344,8 @@ class Answer:
 
 _UNIT = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
 _CONSTANTS = ("e", "i")
+# words: a text wrapper holding two letters in a row, or three letters in a row outside a command (\\sqrt, \\pi)
+_WORDS = re.compile(r"\\(?:text\w*|mbox|mathrm|mathbf|operatorname)\s*\{[^{}]*[A-Za-z]{2}|(?<![\\A-Za-z])[A-Za-z]{3}")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 
 
@@ -361,6 +364,8 @@ def _answer(raw: str, top: bool = False) -> Answer:
     found = _UNIT.search(raw)
     if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
         unit, raw = " ".join(found.group(1).split()), raw[:found.start()]
+    if _WORDS.search(raw) or _WORDS.search(clean(raw)):
+        raise Refused("words")  # "\\text{east}" is no product e*a*s*t ("seat" would equal it)
     text = clean(raw)
     text = _DEGREES.sub("", text).strip()
     percent = _PERCENT.search(text) is not None
