@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spade_mega.evaluation.scoring import SCORERS, boxed_answers, final_answer, stated_answers
-from spade_mega.evaluation.symbolic import MAX_CHARS, expression, parse_answer
+from spade_mega.evaluation.scoring import MAX_ANSWERS, SCORERS, boxed_answers, final_answer, stated_answers
+from spade_mega.evaluation.symbolic import MAX_CHARS, MAX_ITEMS, expression, parse_answer
 
 SAME = [  # (answer the model boxed, reference)
     ("2^{10}", "1024"),
@@ -140,6 +140,19 @@ def test_a_pathological_answer_is_refused_without_computing_it(answer: str) -> N
     assert not SCORERS["boxed"](f"\\boxed{{{answer}}}", "1")[1]
     assert not SCORERS["boxed"](f"\\boxed{{{answer}}} \\boxed{{{answer}1}}", "1")[1]  # the hedge check too
     assert SCORERS["boxed"](f"\\boxed{{{answer}}}", answer)[1]  # the same text is still the same answer
+
+
+@pytest.mark.timeout(60)  # before the bound these 3000 boxes took ~4 h: every pair compared symbolically
+def test_a_reply_looping_through_thousands_of_boxes_is_scored_at_once() -> None:
+    """A degenerate reply (an RL model's loop to its token budget) boxes thousands of different answers: only up to
+    MAX_ANSWERS different texts are compared with each other; past them the reply is a hedge as written."""
+    looping = " ".join(f"\\boxed{{{i}\\sqrt{{2}}}}" for i in range(3000))
+    assert SCORERS["boxed"](looping, "\\sqrt{2}")[1] is False
+    assert len(stated_answers(looping, SCORERS["boxed"].equal)) == 3000
+    few = " ".join(f"\\boxed{{\\sqrt{{{4 * i * i}}}}} \\boxed{{{2 * i}}}" for i in range(1, MAX_ANSWERS // 2 + 1))
+    assert stated_answers(few, SCORERS["boxed"].equal) == [str(2 * i) for i in range(1, MAX_ANSWERS // 2 + 1)]
+    long_list = ", ".join(f"{i}\\sqrt{{2}}" for i in range(MAX_ITEMS + 1))
+    assert parse_answer(long_list) is None and SCORERS["boxed"](f"\\boxed{{{long_list}}}", long_list)[1]
 
 
 def test_what_the_translation_refuses() -> None:

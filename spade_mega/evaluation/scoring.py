@@ -47,6 +47,7 @@ def _choice_phrase(keywords: str) -> re.Pattern[str]:
 # an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
 _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 _WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
+MAX_ANSWERS = 8  # different boxed answers compared with each other; beyond, they are different by their text
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
@@ -96,18 +97,23 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 def stated_answers(text: str, same: Optional[Callable[[str, str], bool]] = None) -> Optional[list[str]]:
-    """The different answers a reply boxes (``same`` decides, by default text equality after normalisation; each in
-    the form of its last box), else its last ``Answer: ...`` line; None when it states none or its last box was cut
-    off. An empty box is none: a reply restating its instructions ("within \\boxed{}") boxes nothing."""
+    """The different answers a reply boxes (``same`` decides, past text equality after normalisation, unless over
+    MAX_ANSWERS texts differ; each in the form of its last box), else its last ``Answer: ...`` line; None when it
+    states none or its last box was cut off. An empty box is none: a reply restating its instructions ("within
+    \\boxed{}") boxes nothing."""
     boxes = [box for box in boxed_answers(text) if box is None or normalise(box)]
     if not boxes:
         lines = _ANSWER_LINE.findall(text)
         return [lines[-1]] if lines else None
     if boxes[-1] is None:
         return None
-    same = same or (lambda a, b: normalise(a) == normalise(b))
-    answers: list[str] = []
+    texts: dict[str, str] = {}  # the different texts first (each in its last form): linear in the boxes
     for box in reversed(boxes):  # type: ignore[assignment]  # only the last can be None, and it is not
+        texts.setdefault(normalise(box), box)
+    if same is None or len(texts) > MAX_ANSWERS:  # a reply looping through thousands of boxes: a hedge as it is
+        return list(texts.values())[::-1]
+    answers: list[str] = []
+    for box in texts.values():  # pairwise, so few
         if not any(same(box, answer) for answer in answers):
             answers.append(box)
     return answers[::-1]

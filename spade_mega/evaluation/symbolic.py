@@ -14,11 +14,12 @@ dropped; two equations are the same when their ``lhs - rhs`` agree up to sign), 
 percentage equals its number with or without the sign, and its number / 100 against a side without one), degrees
 (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match).
 
-Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make
-anagrams equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``,
-inequalities, factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, and a power whose value would
-have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``): sympy evaluates integer powers as it builds them, so the size is
-checked before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
+Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
+equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``, inequalities,
+factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries
+(matched item against item), and a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``): sympy
+evaluates integer powers as it builds them, so the size is checked before; that is the bound on sympy's work (no
+timer: the same answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -35,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is compared as text
 MAX_DIGITS = 10_000  # the largest power sympy is asked to compute exactly
+MAX_ITEMS = 32  # entries of a set or list compared in any order
 PRECISION = 60  # significant digits of the numerical identity test
 DIGITS = 45  # the digits two values must share (the rest is evaluation error)
 # the variables' values of the identity test: non-integers far from the poles of the usual answer forms
@@ -385,16 +387,24 @@ def _answer(raw: str, top: bool = False) -> Answer:
     if _THOUSANDS.fullmatch(text):  # 1,000 (a comma followed by a space, "1, 234", is a list)
         return Answer("expr", value=expression(text.replace(",", "")), percent=percent, unit=unit)
     if text.startswith("\\{") and text.endswith("\\}"):
-        return Answer("set", items=tuple(_answer(part) for part in _top_level(text[2:-2], ",")), unit=unit)
+        return Answer("set", items=tuple(_answer(part) for part in _entries(text[2:-2])), unit=unit)
     if text[0] in "([" and text[-1] in ")]" and _encloses(text):
-        inner = _top_level(text[1:-1], ",")
+        inner = _entries(text[1:-1])
         if len(inner) > 1:
             return Answer("tuple", items=tuple(_answer(part) for part in inner), brackets=text[0] + text[-1],
                           unit=unit)
-    items = _top_level(text, ",")
+    items = _entries(text)
     if len(items) > 1:
         return Answer("set", items=tuple(_answer(part) for part in items), unit=unit)
     return Answer("expr", value=expression(text), percent=percent, unit=unit)
+
+
+def _entries(text: str) -> list[str]:
+    """``text`` split at its top-level commas; refused past MAX_ITEMS entries (sets are matched item against item)."""
+    items = _top_level(text, ",")
+    if len(items) > MAX_ITEMS:
+        raise Refused("a list too long")
+    return items
 
 
 def _encloses(text: str) -> bool:
