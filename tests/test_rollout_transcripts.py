@@ -353,6 +353,21 @@ def test_each_rollout_has_one_file_with_every_trajectory(runs: tuple[Path, Path,
 
 
 @pytest.mark.slow
+def test_each_loop_state_records_the_weights_the_engine_serves(runs: tuple[Path, Path, dict]) -> None:
+    """The loop state saved with a checkpoint says which weights the engine serves (its policy_version: the trainer
+    step, which the next rollout's records carry as their weight version); it said 0 in every state."""
+    straight = runs[0]
+    store = CheckpointStore(straight)
+    states = {state.rollout: (int(ckpt.name.split("_")[1]), state)
+              for ckpt in sorted(store.root.glob("step_*")) for state in [store.read_state(ckpt)]}
+    assert sorted(states) == [1, 2]
+    for step, state in states.values():
+        assert state.policy_version == step > 0
+    _, second = read_rollout(straight, 2)
+    assert {r["weight_version"] for r in second if r["role"] == "agent"} == {states[1][1].policy_version}
+
+
+@pytest.mark.slow
 def test_a_resumed_run_rewrites_the_later_rollouts_as_the_straight_run(runs: tuple[Path, Path, dict]) -> None:
     straight, resumed, _ = runs
     assert rollouts_written(resumed) == [1, 2] and not list((resumed / "rollouts").glob("*.tmp"))

@@ -187,8 +187,9 @@ class _Actor:
 
     # --- state ------------------------------------------------------------------------------------------------
 
-    def state(self, rollout: int) -> LoopState:
-        return LoopState(rollout=rollout, active_skills=list(self.active_skills),
+    def state(self, rollout: int, policy_version: int) -> LoopState:
+        """The loop state after ``rollout``, the engine serving the weights of trainer step ``policy_version``."""
+        return LoopState(rollout=rollout, policy_version=policy_version, active_skills=list(self.active_skills),
                          environments=list(self.environments), buffer=self.buffer.state_dict(),
                          scheduler=self.scheduler.state_dict(), trackers=self.trackers.state_dict(),
                          regen_interval=self.cfg.selfplay.regen_interval)
@@ -668,7 +669,7 @@ class SelfPlay:
         def loop_state() -> None:
             assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
-            self.store.write_state(trainer.step, actor.state(r))
+            self.store.write_state(trainer.step, actor.state(r, trainer.step))
 
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
