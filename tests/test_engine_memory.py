@@ -310,6 +310,11 @@ def test_a_vllm_server_left_asleep_by_a_killed_run_is_woken_by_the_next(model_fo
     try:
         assert not asleep.released and asleep.memory_events() == ["resume:weights", "resume:kv_cache"]
         assert f"vLLM server at {asleep.url} holds no GPU memory for its kv_cache and weights" in caplog.text
+        # awake, but with the weights its level-2 sleep discarded: nothing is generated before a complete update
+        with pytest.raises(EngineError, match=f"server at {asleep.url} was left asleep .*discarded its weights.*a "
+                                              "complete update_weights must succeed before it generates"):
+            engine.generate(_greedy())
+        assert "generate" not in asleep.events
         engine.update_weights([load_file(str(model_folder / "model.safetensors"))], version=1)
         engine.generate(_greedy())
     finally:

@@ -312,6 +312,7 @@ class ServerEngine(ABC):
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
         self.releases_memory = release_memory
         self._released: dict[str, set[str]] = {server.url: set() for server in servers}  # memory tags, per server
+        self._broken: Optional[str] = None  # why the served weights are unknown (a reload failed part way)
         if release_memory:  # before anything else: a server that cannot release fails the run at its start
             self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
             self._wake_left_asleep()
@@ -324,7 +325,6 @@ class ServerEngine(ABC):
         root.mkdir(parents=True, exist_ok=True)
         self._sync_root = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root)) if self._own_sync_root else root
         self._version = 0
-        self._broken: Optional[str] = None  # why the served weights are unknown (a reload failed part way)
         self._lock = threading.Lock()
 
     # ---- starting ---------------------------------------------------------------------------------------------
@@ -470,13 +470,18 @@ class ServerEngine(ABC):
 
     def _wake_left_asleep(self) -> None:
         """Servers that a run which died between release and resume (killed, no close) left asleep are woken, so
-        that the new run's first weight sync (which reloads every weight) finds them able to load and serve."""
+        that the new run's first weight sync (which reloads every weight) finds them able to load and serve. Their
+        release discarded their weights: until that sync the engine refuses to generate (they would answer with
+        whatever the woken memory holds)."""
         for server in self.servers:
             held = self._held_memory(server)
             if held:
                 log.warning("%s server at %s holds no GPU memory for its %s (an earlier run stopped between release "
                             "and resume): waking it", self.name, server.url, " and ".join(sorted(held)))
                 self._released[server.url] = set(held)
+                if "weights" in held:
+                    self._broken = (f"its server at {server.url} was left asleep by an earlier run (stopped between "
+                                    "release and resume), which discarded its weights")
         for tag in MEMORY_TAGS:
             self.resume_memory(tag)
 
