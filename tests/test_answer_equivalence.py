@@ -128,14 +128,15 @@ def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
 
 PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{9}}", "x^{10^{9}}",
                 "((10^{100}\\sqrt{2})^{1000})^{1000}", "(1+\\sqrt{2})^{10^{9}}", "\\sin(10^{99999})",
-                "9^{9^{9^9}} - 9^{9^{9^9}}"]
+                "9^{9^{9^9}} - 9^{9^{9^9}}", "\\sqrt[7]{3^{6000}+1}"]  # the last: 25 s of sympy factoring
 
 
 @pytest.mark.timeout(60)  # before the size bound the first of these never returned
 @pytest.mark.parametrize("answer", PATHOLOGICAL)
 def test_a_pathological_answer_is_refused_without_computing_it(answer: str) -> None:
     """sympy evaluates a rational to a rational power exactly as it builds it; the translation refuses a power of
-    over MAX_DIGITS digits first, so the answer is compared as text: it scores 0 and returns at once."""
+    over MAX_DIGITS digits, and a root of a number of over MAX_ROOT_DIGITS, first, so the answer is compared as text:
+    it scores 0 and returns at once."""
     assert parse_answer(answer) is None
     assert not SCORERS["boxed"](f"\\boxed{{{answer}}}", "1")[1]
     assert not SCORERS["boxed"](f"\\boxed{{{answer}}} \\boxed{{{answer}1}}", "1")[1]  # the hedge check too

@@ -17,9 +17,10 @@ percentage equals its number with or without the sign, and its number / 100 agai
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``, inequalities,
 factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries
-(matched item against item), and a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``): sympy
-evaluates integer powers as it builds them, so the size is checked before; that is the bound on sympy's work (no
-timer: the same answers always give the same verdict).
+(matched item against item), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``) and a root
+of a number of over ``MAX_ROOT_DIGITS`` digits: sympy evaluates powers and roots of rationals as it builds them, so
+the size is checked before; that is the bound on sympy's work (no timer: the same answers always give the same
+verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -37,6 +38,7 @@ from typing import Any, Optional, Sequence
 MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is compared as text
 MAX_DIGITS = 10_000  # the largest power sympy is asked to compute exactly
 MAX_ITEMS = 32  # entries of a set or list compared in any order
+MAX_ROOT_DIGITS = 100  # the largest number sympy is asked to take a root of (\sqrt[7]{3^{6000}+1} took 25 s)
 PRECISION = 60  # significant digits of the numerical identity test
 DIGITS = 45  # the digits two values must share (the rest is evaluation error)
 # the variables' values of the identity test: non-integers far from the poles of the usual answer forms
@@ -233,7 +235,7 @@ class _Parser:
             if self.peek() == "[":
                 degree = self.group("[", "]")
             radicand = self.argument()
-            return sp.sqrt(radicand) if degree is None else _power(sp, radicand, 1 / _nonzero(degree))
+            return _power(sp, radicand, sp.Rational(1, 2) if degree is None else 1 / _nonzero(degree))
         if token == "\\pi":
             return sp.pi
         if token == "\\infty":
@@ -321,6 +323,8 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
         size = max(1.0, sum(_digits(r) for r in base.atoms(sympy.Rational)))
         if abs(float(exponent)) * size > MAX_DIGITS:
             raise Refused("a power too large")
+        if not exponent.is_Integer and size > MAX_ROOT_DIGITS:
+            raise Refused("a root of a number too large")  # sympy factors it looking for perfect powers
     return sympy.Pow(base, exponent)
 
 
