@@ -50,7 +50,7 @@ _GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "e
           "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi",
           "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
 _TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[A-Za-z]+|\\.|\S)")
-_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox", "\\operatorname", "\\displaystyle")
+_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox", "\\operatorname")
 _DEGREES = re.compile(r"(\^\s*\{?\s*\\circ\s*\}?|°)$")
 _PERCENT = re.compile(r"\\?%$")
 _VARIABLE = re.compile(r"^[A-Za-z]\s*=(?!=)")  # "x = 5": the value
@@ -73,7 +73,7 @@ def clean(answer: str) -> str:
             if not count:
                 break
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = text.replace("\\!", "").replace("\\$", "").replace("$", "")
+    text = text.replace("\\!", "").replace("\\$", "").replace("$", "").replace("\\displaystyle", "")
     for spacing in ("\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
         text = text.replace(spacing, " ")
     return text.strip().rstrip(".").strip()
@@ -118,9 +118,8 @@ class _Parser:
             raise Refused(f"unexpected {self.tokens[self.at]!r}")
         return value
 
-    def peek(self, offset: int = 0) -> Optional[str]:
-        at = self.at + offset
-        return self.tokens[at] if at < len(self.tokens) else None
+    def peek(self) -> Optional[str]:
+        return self.tokens[self.at] if self.at < len(self.tokens) else None
 
     def take(self, expected: Optional[str] = None) -> str:
         token = self.peek()
@@ -182,11 +181,11 @@ class _Parser:
         token = self.peek()
         if token == "{":
             return self.group("{", "}")
-        if token is not None and _is_number(token):
+        if token is not None and token[0].isdigit():
             self.take()
             if len(token) > 1:  # "^10": the exponent is its first digit, the rest follows it
                 self.tokens.insert(self.at, token[1:])
-            return self.sp.Integer(token[0]) if token[0] != "." else _number(self.sp, token)
+            return self.sp.Integer(token[0])
         if token == "-":
             self.take()
             return -self.exponent()
@@ -284,9 +283,7 @@ class _Parser:
             argument = self.group_rest(self.take())
         else:
             argument = self.power()
-        value = getattr(sp, _FUNCTIONS[name])(argument)
-        if base is not None:
-            value = sp.log(argument) / sp.log(_nonzero(base))
+        value = getattr(sp, _FUNCTIONS[name])(argument) if base is None else sp.log(argument) / sp.log(_nonzero(base))
         return value if exponent is None else _power(sp, value, exponent)
 
 
