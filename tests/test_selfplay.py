@@ -162,15 +162,17 @@ TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s")
 
 
 # A Hugging Face checkpoint of the tiny model whose final norm is 3.0 everywhere (initialised at 1.0): a run started
-# from it shows it in its checkpoints, since training moves a weight by about lr (0.01) per step.
+# from it shows it in its checkpoints, since training moves a weight by about lr (0.01) per step. Its tokenizer's
+# files beside the weights, as convert to-hf writes them (a folder without them is started from with a warning).
 HF_START = """
 import sys
 from spade_mega.bridge import save_hf
 from spade_mega.config.loader import load_config
 from spade_mega.megatron import Trainer
+from spade_mega.tokenizer import byte_tokenizer
 trainer = Trainer(load_config(sys.argv[1], ["run.seed=7"]))
 trainer.model[0].module.decoder.final_layernorm.weight.data.fill_(3.0)
-save_hf(trainer, sys.argv[2])
+save_hf(trainer, sys.argv[2], tokenizer=byte_tokenizer())
 """
 
 
