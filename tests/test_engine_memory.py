@@ -8,7 +8,10 @@ that keeps their state as they do and records every call:
 - SGLang (python/sglang/srt/entrypoints/http_server.py, managers/scheduler_update_weights_mixin.py):
   ``GET /get_server_info`` carries the server args (``enable_memory_saver``); ``POST /release_memory_occupation`` and
   ``/resume_memory_occupation`` take ``{"tags": [...]}`` (None or empty: all) and answer ``null``, an error as HTTP
-  400 ``{"error": {"message"}}``; resuming a tag that is not released fails (``offload_tags.remove``).
+  400 ``{"error": {"message"}}``; resuming a tag that is not released fails (``offload_tags.remove``). Its
+  scheduler asserts it holds no request when told to release (a failed assertion stops the server), and it still holds
+  the batch whose results were just answered for a step or more (the overlap scheduler's next step):
+  ``POST /flush_cache`` answers 400 until it is idle, 200 once it is (managers/scheduler.py, http_server.py).
 - vLLM 0.32 (vllm/entrypoints/serve/dev/sleep/api_router.py, dev/server_info/api_router.py, v1/executor/abstract.py):
   ``POST /sleep?level=0..2`` answers ``{"status": "sleeping", "level"}`` (a level past 2 is HTTP 400);
   ``POST /wake_up?tags=...`` answers ``{"status": "awake"}`` once no tag sleeps, else ``"sleeping"``;
@@ -61,11 +64,13 @@ class MemoryServer:
     call in order (``release``, ``resume:weights``, ``reload``, ``generate``, ``info``, ...; the self-play test's
     trainer ranks add theirs); ``requests`` the exact (path, body) of each memory call. ``memory_flag``: started with
     --enable-memory-saver / --enable-sleep-mode; ``refuse``: an event answered with an error instead; ``dev_mode``
-    (vLLM): VLLM_SERVER_DEV_MODE=1, without which its memory and reload routes do not exist."""
+    (vLLM): VLLM_SERVER_DEV_MODE=1, without which its memory and reload routes do not exist; ``busy_polls``
+    (SGLang): how many /flush_cache polls after a generation its scheduler still holds that batch."""
 
     def __init__(self, engine: str, *, memory_flag: bool = True, refuse: str | None = None,
-                 dev_mode: bool = True) -> None:
+                 dev_mode: bool = True, busy_polls: int = 2) -> None:
         self.engine, self.memory_flag, self.refuse, self.dev_mode = engine, memory_flag, refuse, dev_mode
+        self.busy_polls, self.busy = busy_polls, 0
         self.events: list[str] = []
         self.requests: list[tuple[str, Any]] = []
         self.released: set[str] = set()
@@ -125,8 +130,18 @@ class MemoryServer:
         if path == "/is_sleeping" and not sglang:  # vLLM: any tag asleep (or its scheduler paused)
             self.events.append("is_sleeping")
             return 200, {"is_sleeping": bool(self.released)}
+        if path == "/flush_cache" and sglang:
+            if self.busy:
+                self.busy -= 1
+                return 400, "Cache flushed.\n(When there are running or waiting requests, the operation will not " \
+                            "be performed.)"
+            self.events.append("flush")
+            return 200, None
         if path in ("/release_memory_occupation", "/sleep"):
             self.requests.append((target, body))
+            if sglang and self.busy:  # the scheduler's assert self._is_no_request() (the real one stops there)
+                return 500, {"error": {"message": "AssertionError: release_memory_occupation should be called only "
+                                                  "when no ongoing request."}}
             if not sglang and not 0 <= int(query.get("level", ["1"])[0]) <= 2:
                 return 400, {"error": {"message": "Input should be less than or equal to 2"}}
             tags = (body or {}).get("tags") if sglang else None
@@ -152,6 +167,7 @@ class MemoryServer:
             if self.released:  # SGLang computes on freed memory; a sleeping vLLM queues it until it wakes
                 return 503, {"error": {"message": f"generating with {sorted(self.released)} released"}}
             self.events.append("generate")
+            self.busy = self.busy_polls
             stop = (body.get("sampling_params") or {}).get("stop_token_ids") if sglang else body["stop_token_ids"]
             if sglang:
                 return 200, {"meta_info": {"output_token_logprobs": [[-0.25, stop[0], None]],
@@ -226,7 +242,8 @@ def test_every_server_releases_and_takes_back_its_memory_around_a_weight_update(
     for fake in fakes:
         assert fake.memory_events() == ["release", "resume:weights", "reload", "resume:kv_cache"]
         assert fake.events[0] == "info" and not fake.released  # checked at start; awake at the end
-    if engine == "sglang":
+    if engine == "sglang":  # released once its scheduler is idle (it still held the batch just answered)
+        assert all(fake.events[fake.events.index("release") - 1] == "flush" for fake in fakes)
         assert fakes[0].requests == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
                                      ("/resume_memory_occupation", {"tags": ["weights"]}),
                                      ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
@@ -285,6 +302,22 @@ def test_a_refused_release_or_resume_is_an_engine_error_naming_the_server(engine
         released.close()  # attached servers are left awake, as far as they let it
     assert not good.released and good.memory_events()[-1] == "resume:kv_cache"
     assert bad.released == ({"weights", "kv_cache"} if refuse == "resume:weights" else set())
+
+
+def test_an_sglang_server_that_never_gets_idle_is_not_told_to_release(model_folder, make_servers) -> None:
+    """Told to release while its scheduler holds a request, SGLang fails an assertion and stops: the engine waits for
+    it to be idle, at most a request's timeout, then fails naming the server, having asked nothing."""
+    (busy,) = make_servers("sglang", count=1, busy_polls=10**9)
+    engine = SGLangEngine.attach([busy.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                                 request_timeout_s=1, release_memory=True)
+    try:
+        engine.generate(_greedy())
+        with pytest.raises(EngineError, match=f"server at {busy.url} did not release its GPU memory \\(it still had "
+                                              "requests in flight after 1 s .*SGLang stops when told to release"):
+            engine.release_memory()
+        assert not busy.requests and not busy.released
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -381,8 +414,8 @@ sys.exit(main(["train", *sys.argv[2:]]))
 @pytest.mark.multiproc
 def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_sync(tmp_path, make_servers) -> None:
     """Two data-parallel ranks, rank 0's engine attached to an SGLang-speaking server: in each rollout every
-    generation comes first, then the release, then both ranks' forward and steps, then resume(weights), the
-    reload, resume(kv_cache); evaluation generates after that."""
+    generation comes first, then the release (once the server is idle), then both ranks' forward and steps, then
+    resume(weights), the reload, resume(kv_cache); evaluation generates after that."""
     fake = make_servers("sglang", count=1)[0]
     cfg = load_config(TINY)
     folder = write_model_folder(tmp_path / "served", cfg.model, TOK)
@@ -412,7 +445,7 @@ def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_s
     assert rounds[0][0] == "reload"  # the run's first sync, before any rollout
     for events in (rounds[0][1:], rounds[1]):
         release = events.index("release")
-        assert set(events[:release]) == {"generate"} and release > 0
+        assert events[release - 1] == "flush" and set(events[:release - 1]) == {"generate"} and release > 1
         trainer = events[release + 1:-3]
         assert {e.rsplit(":", 1)[0] for e in trainer} == {"trainer:logprobs", "trainer:step"}
         assert {e.rsplit(":", 1)[1] for e in trainer} == {"0", "1"}  # no rank starts before the release

@@ -9,7 +9,10 @@ and only its request/response translation is tested (tests/test_inference_vllm.p
 A server colocated with the trainer (``inference.release_memory``, started with ``--enable-memory-saver``, which
 ``GET /get_server_info`` reports as ``enable_memory_saver``) frees its memory with ``POST /release_memory_occupation``
 ``{"tags": ["weights", "kv_cache"]}`` and takes it back tag by tag with ``POST /resume_memory_occupation`` ``{"tags":
-[tag]}`` (both answer ``null``; an error is HTTP 400 ``{"error": {"message"}}``). Only what was released is resumed:
+[tag]}`` (both answer ``null``; an error is HTTP 400 ``{"error": {"message"}}``). Its scheduler asserts that it
+holds no request when told to release (a failed assertion stops the server), and it still holds the batch whose results
+were just answered for a step or so (the overlap scheduler runs one more): the release first waits until ``POST
+/flush_cache`` answers 200, which it does only when idle (slime does the same). Only what was released is resumed:
 SGLang's scheduler fails on a tag it holds (``offload_tags.remove``); and since no endpoint says what a server has
 released, one left released by a run killed between the two calls is not woken by the next (restart it).
 
@@ -26,10 +29,11 @@ the trainer to share CUDA memory or a process group with the server: not wired h
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 from spade_mega.inference.base import MEMORY_TAGS, EngineError, GenerationRequest, MemoryTag
-from spade_mega.inference.server import Server, ServerEngine
+from spade_mega.inference.server import HTTPStatusError, Server, ServerEngine
 
 
 class SGLangEngine(ServerEngine):
@@ -79,8 +83,26 @@ class SGLangEngine(ServerEngine):
     memory_release_flag = "--enable-memory-saver"
 
     def _release(self, server: Server) -> None:
+        self._wait_idle(server)
         server.request("POST", "/release_memory_occupation", {"tags": list(MEMORY_TAGS)},
                        timeout_s=self.request_timeout_s)
+
+    def _wait_idle(self, server: Server) -> None:
+        """Return once ``server``'s scheduler holds no request (its /flush_cache succeeds: HTTP 200, else 400), at
+        most a request's timeout later (a request of ours still running then has timed out here anyway)."""
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            try:
+                server.request("POST", "/flush_cache", timeout_s=self.request_timeout_s, json_reply=False)
+                return
+            except HTTPStatusError as exc:
+                if exc.status != 400:
+                    raise
+                if time.monotonic() > deadline:
+                    raise EngineError(f"it still had requests in flight after {self.request_timeout_s:.0f} s (POST "
+                                      "/flush_cache kept answering HTTP 400), and SGLang stops when told to release "
+                                      "then") from None
+            time.sleep(0.1)
 
     def _resume(self, server: Server, tag: MemoryTag, *, last: bool) -> None:
         server.request("POST", "/resume_memory_occupation", {"tags": [tag]}, timeout_s=self.request_timeout_s)
