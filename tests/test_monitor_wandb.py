@@ -12,6 +12,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config, to_dict
 from spade_mega.config.schema import LoggingConfig, WandbConfig
 from spade_mega.monitor import MetricsLogger
-from spade_mega.monitor.wandb_sink import RUN_ID_FILE, require_wandb
+from spade_mega.monitor.wandb_sink import FINISH_TIMEOUT_S, RUN_ID_FILE, _finish_timeout, require_wandb
 from sandbox_support import strict_missing
 from test_launch import _stand_in_env, _stand_in_job, _training_step_is
 
@@ -193,6 +195,113 @@ def test_a_wandb_failure_mid_run_is_said_once_and_jsonl_and_tensorboard_go_on(tm
     assert [(e.step, e.value) for e in events.Scalars("agent/return")] == [(1, 0.5), (2, 1.0), (3, 1.5), (4, 2.0)]
 
 
+class _StandInWandbServer(ThreadingHTTPServer):
+    """The W&B API as far as an online wandb.init and run need it (the login check, the run's upsert, its file
+    stream: each answered the way api.wandb.ai's GraphQL answers them), until ``outage`` exists: from then on every
+    request waits unanswered, a network gone dark."""
+
+    daemon_threads = True
+
+    def __init__(self, outage: Path) -> None:
+        self.outage, self.released = outage, threading.Event()
+        super().__init__(("127.0.0.1", 0), _StandInWandbHandler)
+
+
+class _StandInWandbHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _StandInWandbServer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.server.outage.exists():
+            self.server.released.wait()
+            return
+        request = json.loads(body or b"{}")
+        query, variables = request.get("query", ""), request.get("variables") or {}
+        data: dict = {}
+        if "upsertBucket" in query:
+            project = {"id": "UHJvamVjdDox", "name": variables.get("project"), "entity": {"id": "RW50aXR5OjE=",
+                                                                                          "name": "lab"}}
+            data = {"upsertBucket": {"inserted": True, "bucket": {
+                "id": "QnVja2V0OjE=", "name": variables.get("name"), "displayName": variables.get("displayName"),
+                "description": "", "config": "{}", "sweepName": None, "historyLineCount": 0, "project": project}}}
+        elif "viewer" in query:
+            data = {"viewer": {"id": "VXNlcjox", "entity": "lab", "username": "lab", "flags": "{}",
+                               "teams": {"edges": []}}}
+        elif "RunResumeStatus" in query:
+            data = {"model": {"id": "UHJvamVjdDox", "name": variables.get("project"), "bucket": None,
+                              "entity": {"id": "RW50aXR5OjE=", "name": "lab"}}}
+        reply = json.dumps({"data": data}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+
+# An online run whose network goes dark after its first record: the run's end (close) would wait on W&B's retries
+NETWORK_DIES = """
+import logging, pathlib, sys, time
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
+
+logging.basicConfig(level=logging.INFO)
+wandb = WandbConfig(enabled=True, mode="online", finish_timeout_s=3)
+cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=wandb)
+m = MetricsLogger(sys.argv[1], cfg, run_config={"run": {"name": "online"}})
+m.log(1, {"agent/return": 0.5})
+pathlib.Path(sys.argv[2]).touch()
+m.log(2, {"agent/return": 1.0})
+began = time.monotonic()
+m.close()
+print(f"closed in {time.monotonic() - began:.1f} s")
+"""
+
+
+def test_a_network_outage_at_the_end_of_an_online_run_does_not_hold_the_job(tmp_path: Path) -> None:
+    """The network goes dark mid-run: W&B retries its uploads for many minutes (measured: still blocked after 20
+    min), so the run's end waits logging.wandb.finish_timeout_s at most, says where the data is kept for `wandb
+    sync`, and metrics.jsonl holds every record. The API key is written nowhere in the run directory."""
+    key = "local-" + "5ecret" * 7
+    outage = tmp_path / "outage"
+    server = _StandInWandbServer(outage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _env(tmp_path, WANDB_MODE="online", WANDB_API_KEY=key, HOME=str(tmp_path / "home"),
+               WANDB_BASE_URL=f"http://127.0.0.1:{server.server_address[1]}")
+    del env["WANDB_DIR"]
+    run_dir = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-c", NETWORK_DIES, str(run_dir), str(outage)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env=env)
+    finally:
+        server.released.set()
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0 and "closed in" in proc.stdout, proc.stderr[-4000:]
+    assert float(proc.stdout.split("closed in ")[1].split()[0]) < 30, proc.stdout
+    assert proc.stderr.count("did not finish uploading") == 1, proc.stderr[-4000:]
+    assert "wandb sync --include-online" in proc.stderr, proc.stderr[-4000:]
+    kept = Path(proc.stderr.split("is kept in ")[1].split(":")[0])
+    assert kept.parent == run_dir / "wandb" and list(kept.glob("run-*.wandb")), kept
+    assert [r["step"] for r in _jsonl(run_dir)] == [1, 2]
+    assert key not in proc.stdout + proc.stderr
+    leaks = [path for path in run_dir.rglob("*") if path.is_file() and key.encode() in path.read_bytes()]
+    assert not leaks, leaks
+
+
+def test_the_finish_timeout_is_the_setting_else_wandbs_variable_else_two_minutes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_FINISH_TIMEOUT", raising=False)
+    assert _finish_timeout(WandbConfig()) == FINISH_TIMEOUT_S == 120
+    assert _finish_timeout(WandbConfig(finish_timeout_s=0)) == 0  # wandb's own default: wait until uploaded
+    monkeypatch.setenv("WANDB_FINISH_TIMEOUT", "30")
+    assert _finish_timeout(WandbConfig()) is None  # wandb reads its variable itself
+    assert _finish_timeout(WandbConfig(finish_timeout_s=5)) == 5
+
+
 # wandb.init failing for real: online mode with no API key anywhere (no $WANDB_API_KEY, no ~/.netrc)
 INIT_FAILS = LOG_STEPS + """
 from spade_mega.monitor import WandbError
@@ -295,11 +404,22 @@ def test_the_monitor_without_wandb_on_never_imports_it(tmp_path: Path) -> None:
     (f"logging.wandb.tags=[{'x' * 65}]", "logging.wandb.tags[0]"),
     ("logging.wandb.mode=dryrun", "logging.wandb.mode"),
     ("logging.wandb.projet=x", "logging.wandb.projet"),
+    ("logging.wandb.finish_timeout_s=-1", "logging.wandb.finish_timeout_s"),
 ])
 def test_wandb_settings_errors_name_the_key(override: str, path: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
     assert err.value.path == path
+
+
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "HF_TOKEN", "wandb_api_key"])
+def test_a_key_in_launch_env_is_refused_before_it_is_written_anywhere(name: str) -> None:
+    """launch.env lands in the sbatch script, config.yaml, report.html and the W&B run's config: a verl habit of
+    putting WANDB_API_KEY there would publish it to everyone who can see the W&B project."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [f"launch.env={{{name}: k3y, NCCL_DEBUG: INFO}}"])
+    assert err.value.path == f"launch.env.{name}" and "export it in the shell that submits" in str(err.value)
+    assert load_config(TINY, ["launch.env={NCCL_DEBUG: INFO, HF_HOME: /scratch/hf}"]).launch.env["NCCL_DEBUG"] == "INFO"
 
 
 def test_the_slurm_job_passes_the_submitters_wandb_settings_to_the_training_step(tmp_path: Path) -> None:

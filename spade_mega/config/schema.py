@@ -193,8 +193,8 @@ class FixedEnvConfig:
     """An environment program file (the contract of docs/environments.md) the agent trains on with the designer off:
     ``selfplay.environments``. The hint and the skill travel beside the program, as a designer's do."""
 
-    path: str = ""  # relative to the working directory
-    hint: str = ""
+    path: str = ""  # relative to the working directory (as corpus, eval and weight paths; not to the config file)
+    hint: str = ""  # what hint plays (rollout.hint_plays_per_env) are given; part of the environment's identity
     skill: str = ""
 
     def check(self, path: str = "selfplay.environments") -> None:
@@ -244,6 +244,7 @@ class RunConfig:
         _require(bool(self.output_dir), "run.output_dir", "must not be empty")
 
 
+_SECRET_SUFFIXES = ("API_KEY", "TOKEN", "SECRET", "PASSWORD")  # WANDB_API_KEY, HF_TOKEN, ...: never in launch.env
 _WANDB_FORBIDDEN = set("/\\#?%:")  # characters W&B refuses in project and entity names
 
 
@@ -260,8 +261,13 @@ class WandbConfig:
     name: Optional[str] = None  # display name; None = run.name
     mode: Optional[Literal["online", "offline", "disabled"]] = None  # None = $WANDB_MODE, else online
     tags: list[str] = field(default_factory=list)
+    # how long the run's end waits for W&B to upload what it still holds (None = $WANDB_FINISH_TIMEOUT, else 120;
+    # 0 = until all is uploaded): with the network down W&B retries for many minutes, holding the job's nodes
+    finish_timeout_s: Optional[float] = None
 
     def check(self) -> None:
+        _require(self.finish_timeout_s is None or self.finish_timeout_s >= 0, "logging.wandb.finish_timeout_s",
+                 f"must be >= 0 seconds (0: wait until all is uploaded) or null, got {self.finish_timeout_s!r}")
         for key in ("project", "entity"):
             value = getattr(self, key)
             if value is not None:
@@ -686,6 +692,11 @@ class LaunchConfig:
             _require("\n" not in line, f"launch.setup[{i}]", "must be one shell line (give several lines as a list)")
         for key in self.env:
             _require(key.isidentifier(), f"launch.env.{key}", "must be an environment variable name")
+            # launch.env is written into the sbatch script, RUN_DIR/config.yaml, report.html and the W&B run's config
+            _require(not key.upper().endswith(_SECRET_SUFFIXES), f"launch.env.{key}",
+                     "looks like a secret, and launch.env is written into the sbatch script, the run's config.yaml, "
+                     "its report and its W&B config: export it in the shell that submits the job instead (sbatch "
+                     "hands the submitter's environment to every step), or for W&B run `wandb login` once")
         for name in ("master_port", "engine_port"):
             value = getattr(self, name)
             _require(value is None or 1024 <= value <= 65535, f"launch.{name}", f"must be in [1024, 65535], "
@@ -816,6 +827,10 @@ class SpadeConfig:
             _require(self.rollout.envs_per_rollout == len(fixed), "rollout.envs_per_rollout",
                      f"must equal the number of selfplay.environments ({len(fixed)}), which every rollout plays; got "
                      f"{self.rollout.envs_per_rollout}")
+            for i, env in enumerate(fixed):  # a hint play without a hint is one more plain play: its regret is noise
+                _require(bool(env.hint) or self.rollout.hint_plays_per_env == 0, f"selfplay.environments[{i}].hint",
+                         f"must be given: rollout.hint_plays_per_env ({self.rollout.hint_plays_per_env}) plays every "
+                         "environment with its hint (or set it to 0)")
         elif r.variant == "regret" or (r.variant == "blend" and r.regret_weight > 0):  # a designer to pay
             _require(self.rollout.hint_plays_per_env > 0, "rollout.hint_plays_per_env",
                      f"must be > 0: rewards.variant {r.variant!r} measures regret with hint plays")

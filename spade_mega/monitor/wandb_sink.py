@@ -13,7 +13,9 @@ interrupted attempt sent after its last checkpoint stay there, and W&B ignores t
 Failures: wandb.init failing at the start of a new run (no API key, no network in online mode) stops the run there,
 before its first rollout, naming the setting. Any W&B error after that (its service process gone, say), and a failing
 wandb.init when resuming (a requeued job meeting a W&B outage), is said once; the sink then goes quiet and
-metrics.jsonl and TensorBoard go on, so monitoring never kills training.
+metrics.jsonl and TensorBoard go on, so monitoring never kills training. Nor does it hold the job's nodes: at the
+run's end W&B uploads what it still holds and, with the network down, retries for many minutes; ``finish_timeout_s``
+(default 120 s) bounds that wait, and what is left stays in the run's W&B files for ``wandb sync``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger("spade_mega.monitor")
 WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
 DEFAULT_PROJECT = "spade-mega"
 RUN_ID_FILE = "wandb_run_id"
+FINISH_TIMEOUT_S = 120.0  # logging.wandb.finish_timeout_s unset and no $WANDB_FINISH_TIMEOUT
 _ID_CHARS = string.ascii_lowercase + string.digits  # W&B's own run id alphabet
 
 
@@ -74,6 +77,13 @@ def _run_id(run_dir: Path, resume_step: Optional[int]) -> str:
     return run_id
 
 
+def _finish_timeout(cfg: WandbConfig) -> Optional[float]:
+    """The setting, else wandb's own $WANDB_FINISH_TIMEOUT (None: wandb reads it), else FINISH_TIMEOUT_S."""
+    if cfg.finish_timeout_s is not None:
+        return cfg.finish_timeout_s
+    return None if os.environ.get("WANDB_FINISH_TIMEOUT") else FINISH_TIMEOUT_S
+
+
 class WandbSink:
     """Sends each record to a W&B run, step = the record's step; see the module docstring for resume and failures."""
 
@@ -82,6 +92,7 @@ class WandbSink:
         self._wandb = import_wandb()
         run_id = _run_id(run_dir, resume_step)
         project = cfg.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT
+        finish_timeout = _finish_timeout(cfg)
         self._run: Any = None
         try:
             self._run = self._wandb.init(
@@ -89,7 +100,9 @@ class WandbSink:
                 tags=list(cfg.tags) or None, mode=cfg.mode, id=run_id, resume="allow",
                 config=dict(run_config) if run_config is not None else None,
                 # wandb's files beside the run's own, unless $WANDB_DIR puts them elsewhere (a scratch file system)
-                dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+                dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
+                settings=self._wandb.Settings(finish_timeout_raises=True, **(
+                    {} if finish_timeout is None else {"finish_timeout": finish_timeout})))
         except Exception as exc:
             if resume_step is not None:  # a requeued job must not die of a W&B outage at its restart
                 self._stop(f"to start when resuming from step {resume_step}", exc)
@@ -112,6 +125,10 @@ class WandbSink:
             return
         try:
             self._run.finish()
+        except TimeoutError:  # finish_timeout_s ran out: the data is on disk, the job's nodes are free to go
+            log.warning("W&B did not finish uploading this run within %s s (logging.wandb.finish_timeout_s, else "
+                        "$WANDB_FINISH_TIMEOUT); what it holds is kept in %s: `wandb sync --include-online` that "
+                        "directory later", self._run.settings.finish_timeout, self._run.settings.sync_dir)
         except Exception as exc:
             self._stop("when finishing the run", exc)
         self._run = None
