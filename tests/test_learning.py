@@ -8,6 +8,7 @@ so a rise comes from the updates, and a broken update, advantage sign or weight 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,10 +19,13 @@ from sandbox_support import strict_missing
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config
+from spade_mega.envs.program import EnvProgram
 from spade_mega.selfplay.loop import SelfPlay
+from spade_mega.selfplay.state import ActiveEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 LEARN = ROOT / "examples" / "configs" / "tiny_learn.yaml"
+FIRST_CHAR = ROOT / "examples" / "envs" / "first_char.py"
 SCRIPT = Path(sys.executable).with_name("spade-mega")
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.transcripts=false"]
 
@@ -96,3 +100,123 @@ def test_a_fixed_program_that_is_missing_invalid_or_repeated_stops_the_run_namin
     with pytest.raises(ConfigError, match=message) as info:
         SelfPlay(cfg).run()
     assert info.value.path == f"selfplay.environments[{entry}].path" and str(program) in str(info.value)
+
+
+def test_a_resume_plays_the_listed_programs_as_they_are_now_and_says_what_changed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint's environment set is played on until the next regeneration (every 20 rollouts here), so a resume
+    whose program was edited on disk went on with the checkpoint's copy, silently. It sets the listed programs as they
+    are now at once and says so; the checkpoint's program keeps its record in the memory."""
+    from spade_mega.curriculum.memory import EnvMemory
+    from spade_mega.selfplay.state import CheckpointStore
+
+    mine = tmp_path / "mine.py"
+    mine.write_text(FIRST_CHAR.read_text())
+    listed = [*QUIET, *_isolation(), "rollout.agent_trajectories_per_env=4", "selfplay.global_batch_size=4",
+              "selfplay.save_interval=1", f"selfplay.environments=[{{path: {mine}, hint: h, skill: logic}}]"]
+
+    def run(rollouts: int) -> list[ActiveEnv]:
+        SelfPlay(load_config(LEARN, [f"run.output_dir={tmp_path}", *listed, f"selfplay.num_rollouts={rollouts}"])).run()
+        store = CheckpointStore(tmp_path / "tiny_learn")
+        return store.read_state(store.latest()).environments
+
+    (first,) = run(1)
+    mine.write_text(FIRST_CHAR.read_text().replace("Reply with a word", "Reply with one word"))
+    with caplog.at_level(logging.WARNING, logger="spade_mega.selfplay"):
+        (now,) = run(2)
+    warned = [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()]
+    assert len(warned) == 1 and f"selfplay.environments[0] ({mine}): its program, hint or skill changed" in warned[0]
+    assert (now.origin, now.iteration, now.program.source) == ("fixed", 2, mine.read_text())  # set at rollout 2
+    with EnvMemory.for_run(load_config(LEARN).curriculum.memory, tmp_path / "tiny_learn") as memory:
+        kept = memory.get(first.env_id)  # the checkpoint's program and its plays stay recorded
+    assert kept.plays == 4 and kept.last_iteration == 1
+
+
+def test_a_resume_says_how_the_listed_programs_differ_from_the_checkpoints_set() -> None:
+    from spade_mega.selfplay.loop import _fixed_set_change
+    from spade_mega.selfplay.state import LoopState
+
+    def program(path: str, source: str = "class A:\n    pass\n", origin: str = "fixed") -> EnvProgram:
+        return EnvProgram(source, "h", "logic", {"origin": origin, "path": path})
+
+    a, b, c = program("a.py"), program("b.py"), program("c.py", "class C:\n    pass\n")
+    designed = program("", "class D:\n    pass\n", "designer")
+
+    def change(played: list[EnvProgram], listed: list[EnvProgram]) -> str | None:
+        environments = [ActiveEnv(p, p.provenance["origin"], i, 1) for i, p in enumerate(played)]
+        return _fixed_set_change(LoopState(rollout=3, environments=environments), listed)
+
+    assert change([a, c], [b, c]) is None  # the same programs, hints and skills, wherever their files now are
+    assert change([designed], []) is None
+    edited = program("a.py", "class A2:\n    pass\n")
+    assert change([a, c], [edited, c]) == ("selfplay.environments[0] (a.py): its program, hint or skill changed since "
+                                          "the checkpoint: the listed programs are validated and set at rollout 4 (the "
+                                          "checkpoint's keep their plays in the memory)")
+    said = change([a, c], [c])
+    assert said is not None and said.startswith("the checkpoint's fixed environment a.py is no longer listed:")
+    said = change([designed], [a])
+    assert said is not None and said.startswith(f"selfplay.environments[0] (a.py) is new; the checkpoint's designer "
+                                                f"environment {designed.content_hash[:12]} is no longer listed:")
+    said = change([a, c], [c, a])
+    assert said is not None and said.startswith("selfplay.environments lists its programs in another order:")
+    assert change([a, c], []) == ("the checkpoint's environment set is selfplay.environments, which the config no "
+                                  "longer lists: the designer writes a new set at rollout 4")
+
+
+def test_a_listed_program_that_breaks_in_play_stays_in_the_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A designer's program that breaks in play leaves the set until the next regeneration; a listed one is the whole
+    set, so the run trained on nothing until then (up to 19 rollouts of tiny_learn.yaml), saying so once. It stays,
+    its broken plays are not trained on, and each rollout it breaks in names it. Real sandbox; the scripted engine
+    answers every play with GIVE_UP, which the program refuses (the validator never sends it)."""
+    from solver_engine import GIVE_UP, ScriptedSolverEngine
+
+    from spade_mega import inference
+    from spade_mega.curriculum.prompts import PromptBuilder
+    from spade_mega.rollout import ChatTurns
+    from spade_mega.selfplay.loop import _Actor
+
+    door = tmp_path / "door.py"
+    door.write_text("class Door:\n    max_turns = 1\n\n    def reset(self, seed):\n        return 'A door.'\n\n"
+                    f"    def step(self, action):\n        if action == {GIVE_UP!r}:\n"
+                    "            raise ValueError('nobody gives up at this door')\n"
+                    "        return 'Open.', 1.0, True, False, {}\n")
+    cfg = load_config(LEARN, [f"run.output_dir={tmp_path}", *QUIET, *_isolation(), "rollout.max_response_tokens=64",
+                              "rollout.agent_trajectories_per_env=2", "selfplay.global_batch_size=2",
+                              f"selfplay.environments=[{{path: {door}, hint: Knock., skill: logic}}]"])
+    monkeypatch.setattr(inference, "build_engine", lambda cfg, tok: ScriptedSolverEngine(
+        ChatTurns(PromptBuilder.from_config(cfg, tok)), []))
+    actor = _Actor(cfg, tmp_path / "run")
+    try:
+        with caplog.at_level(logging.WARNING, logger="spade_mega.selfplay"):
+            samples, first = actor.rollout(1)
+            _, second = actor.rollout(2)
+    finally:
+        actor.close()
+    assert samples == [] and first["agent/failed_episodes"] == 2
+    assert second["envs/fixed"] == 1 and second["agent/episodes"] == 2 and second["agent/failed_episodes"] == 2
+    broke = [r.getMessage() for r in caplog.records if str(door) in r.getMessage()]
+    assert len(broke) == 2 and "selfplay.environments[0]" in broke[0] and "nobody gives up" in broke[0], broke
+
+
+def test_a_listed_path_is_read_from_the_working_directory_and_a_missing_one_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spade_mega.config.schema import FixedEnvConfig
+    from spade_mega.selfplay.loop import _fixed_programs
+
+    relative = FixedEnvConfig("examples/envs/first_char.py", "h", "logic")  # tiny_learn.yaml's, from the repository
+    monkeypatch.chdir(ROOT)
+    assert _fixed_programs([relative])[0].source == FIRST_CHAR.read_text()
+    monkeypatch.chdir(tmp_path)  # run from elsewhere
+    with pytest.raises(ConfigError) as info:
+        _fixed_programs([relative])
+    assert info.value.path == "selfplay.environments[0].path"
+    assert f"relative to the working directory {tmp_path}" in str(info.value)
+
+
+def test_hint_plays_need_every_listed_program_to_have_a_hint() -> None:
+    # a hint play of a program without a hint is another play without it: its regret would be noise
+    with pytest.raises(ConfigError) as info:
+        load_config(LEARN, ["rollout.hint_plays_per_env=2", "selfplay.environments=[{path: a.py, skill: logic}]"])
+    assert info.value.path == "selfplay.environments[0].hint" and "rollout.hint_plays_per_env" in str(info.value)
+    load_config(LEARN, ["selfplay.environments=[{path: a.py, skill: logic}]"])  # no hint plays: none needed

@@ -172,6 +172,7 @@ class _Actor:
         self.trackers = SkillTrackers.from_config(cfg.rewards)
         self.environments: list[ActiveEnv] = []
         self.active_skills: list[str] = []
+        self.set_stale = False  # the environment set restored is not the one the config sets now: regenerate at once
         r = cfg.rollout
         self.designer_scale = env_reward_scale(r.envs_per_rollout * r.agent_trajectories_per_env,
                                                r.envs_per_rollout, cfg.selfplay.regen_interval,
@@ -203,6 +204,10 @@ class _Actor:
         change = regeneration_change(state, self.cfg.selfplay.regen_interval)
         if change is not None:
             log.warning("resume: %s", change)
+        stale = _fixed_set_change(state, self.fixed)
+        if stale is not None:
+            log.warning("resume: %s", stale)
+            self.set_stale = True
         discarded = self.memory.discard_after(state.rollout)
         if any(discarded.values()):
             log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (replayed "
@@ -226,7 +231,7 @@ class _Actor:
         """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
         metrics: dict[str, float] = {}
         self.transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
-        if (r - 1) % self.cfg.selfplay.regen_interval == 0:
+        if (r - 1) % self.cfg.selfplay.regen_interval == 0 or self.set_stale:
             started = time.perf_counter()
             metrics.update(self.regenerate(r))
             metrics["time/regenerate_s"] = time.perf_counter() - started
@@ -268,6 +273,7 @@ class _Actor:
         """A new environment set: designer outputs, validated, proposed to memory, queued for their reward."""
         from spade_mega.rollout import DesignerSlot
 
+        self.set_stale = False
         if self.fixed:
             return self.fixed_set(r)
         cfg, mem = self.cfg, self.cfg.curriculum.memory
@@ -373,7 +379,8 @@ class _Actor:
     def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
         """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers. A
         program that breaks in play (a call raises or hangs) leaves the set, marked failed in the buffer (the designer's
-        penalty) and invalid in the memory."""
+        penalty) and invalid in the memory; a listed one (``selfplay.environments``) stays, named in a warning: it is
+        the set, so the run would train on nothing until the next regeneration."""
         from spade_mega.rollout import AgentPlay
 
         cfg, seed = self.cfg, self.cfg.run.seed
@@ -407,8 +414,15 @@ class _Actor:
             broke = [ep.designer_failure for ep in mine if ep.designer_failure is not None]
             failures += len([ep for ep in mine if ep.failure is not None])
             if broke:
-                failed.add(env.env_id)
                 timed_out = "step_timeout" in broke
+                if env.origin == "fixed":  # listed by the user, it is the set: it stays, named (it does not improve)
+                    fault = next(ep for ep in mine if ep.program_fault is not None)
+                    log.warning("rollout %d: selfplay.environments[%d] (%s) broke in %d of its %d plays (%s: %s); "
+                                "it stays in the set, those plays are not trained on", r, env.slot,
+                                env.program.provenance.get("path"), len(broke), len(mine),
+                                fault.program_fault.value, fault.failure_detail)
+                else:
+                    failed.add(env.env_id)
                 if env.env_id in self.buffer:
                     self.buffer.mark_failed(env.env_id, "step_timeout" if timed_out else broke[0])
                 # invalid, with the reason validation would have given: its plays stay recorded, but a program that
@@ -687,7 +701,8 @@ def _fixed_programs(envs: Sequence[FixedEnvConfig]) -> list[EnvProgram]:
         try:
             source = Path(env.path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}: {exc}") from None
+            where = "" if Path(env.path).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+            raise ConfigError(f"selfplay.environments[{i}].path", f"cannot read {env.path}{where}: {exc}") from None
         program = EnvProgram(source, env.hint, env.skill, {"origin": "fixed", "name": Path(env.path).stem,
                                                            "path": env.path})
         first = next((k for k, p in enumerate(programs) if p.content_hash == program.content_hash), None)
@@ -696,6 +711,32 @@ def _fixed_programs(envs: Sequence[FixedEnvConfig]) -> list[EnvProgram]:
                               f"entry {first} ({envs[first].path}): list each environment once")
         programs.append(program)
     return programs
+
+
+def _fixed_set_change(state: LoopState, fixed: Sequence[EnvProgram]) -> Optional[str]:
+    """What a resume does when the checkpoint's environment set is not the one ``selfplay.environments`` sets now (a
+    program edited on disk, an entry added, replaced or removed, the list added or removed), or None when it is. A set
+    in play otherwise plays on until the next regeneration: the listed programs (the designer's, with the list
+    removed) are set at the first resumed rollout instead. The checkpoint's programs keep their memory records."""
+    following = state.rollout + 1
+    if not fixed:
+        if not any(e.origin == "fixed" for e in state.environments):
+            return None
+        return (f"the checkpoint's environment set is selfplay.environments, which the config no longer lists: the "
+                f"designer writes a new set at rollout {following}")
+    if [(e.origin, e.env_id) for e in state.environments] == [("fixed", p.content_hash) for p in fixed]:
+        return None
+    played = {e.env_id for e in state.environments}
+    played_paths = {e.program.provenance.get("path") for e in state.environments if e.origin == "fixed"}
+    listed, listed_paths = {p.content_hash for p in fixed}, {p.provenance["path"] for p in fixed}
+    notes = [f"selfplay.environments[{i}] ({p.provenance['path']})" + (
+             ": its program, hint or skill changed since the checkpoint" if p.provenance["path"] in played_paths
+             else " is new") for i, p in enumerate(fixed) if p.content_hash not in played]
+    notes += [f"the checkpoint's {e.origin} environment {e.program.provenance.get('path') or e.env_id[:12]} is no "
+              "longer listed" for e in state.environments if e.env_id not in listed
+              and not (e.origin == "fixed" and e.program.provenance.get("path") in listed_paths)]
+    return (f"{'; '.join(notes) or 'selfplay.environments lists its programs in another order'}: the listed programs "
+            f"are validated and set at rollout {following} (the checkpoint's keep their plays in the memory)")
 
 
 def scores_logged(metrics_file: Path, step: int) -> bool:
