@@ -312,7 +312,8 @@ class ServerEngine(ABC):
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
         self.releases_memory = release_memory
         self._released: dict[str, set[str]] = {server.url: set() for server in servers}  # memory tags, per server
-        self._broken: Optional[str] = None  # why the served weights are unknown (a reload failed part way)
+        # why the served weights are unknown (a reload failed part way, a server woken at start lost them)
+        self._broken: Optional[str] = None
         if release_memory:  # before anything else: a server that cannot release fails the run at its start
             self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
             self._wake_left_asleep()
