@@ -2,8 +2,8 @@
 end (the demo's tiny Megatron model on gloo, GRPO advantages and loss, the in-process engine, the weight sync after
 every step, the reward computed by an environment program in sandbox workers), agent-only on
 examples/envs/first_char.py, which the random model wins about a fifth of the time. Its win rate must rise clearly
-within 20 optimizer steps, and must not with optimizer.lr=0, the same run otherwise (same seeds, same first rollout):
-so a rise comes from the updates, and a broken update, advantage sign or weight sync fails the test."""
+within 20 optimizer steps, and must not at optimizer.lr=1e-12 (0 is refused), the same run otherwise (same seeds, same
+first rollout): so a rise comes from the updates, and a broken update, advantage sign or weight sync fails the test."""
 
 from __future__ import annotations
 
