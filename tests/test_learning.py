@@ -220,3 +220,10 @@ def test_hint_plays_need_every_listed_program_to_have_a_hint() -> None:
         load_config(LEARN, ["rollout.hint_plays_per_env=2", "selfplay.environments=[{path: a.py, skill: logic}]"])
     assert info.value.path == "selfplay.environments[0].hint" and "rollout.hint_plays_per_env" in str(info.value)
     load_config(LEARN, ["selfplay.environments=[{path: a.py, skill: logic}]"])  # no hint plays: none needed
+
+
+def test_the_schedule_horizon_of_agent_only_training_counts_no_designer_samples() -> None:
+    # 32 plays in batches of 32: one optimizer step per rollout. Counting a designer sample per slot made it two, so a
+    # cosine or linear schedule had decayed only half way at the run's end.
+    cfg = load_config(LEARN, ["optimizer.lr_schedule=cosine"])
+    assert SelfPlay(cfg)._steps_estimate() == cfg.selfplay.num_rollouts == 20

@@ -489,9 +489,10 @@ class SelfPlay:
 
     def _steps_estimate(self) -> int:
         """Optimizer steps of the whole run, for a decaying learning-rate schedule's horizon: every environment's
-        agent plays and one designer sample per slot, per rollout."""
+        agent plays and one designer sample per slot, per rollout (none with ``selfplay.environments``: no designer)."""
         r, s = self.cfg.rollout, self.cfg.selfplay
-        per_rollout = math.ceil(r.envs_per_rollout * (r.agent_trajectories_per_env + 1) / s.global_batch_size)
+        designer = 0 if s.environments else 1
+        per_rollout = math.ceil(r.envs_per_rollout * (r.agent_trajectories_per_env + designer) / s.global_batch_size)
         return s.num_rollouts * per_rollout
 
     def _checkpoint_to_resume(self) -> Optional[Path]:
