@@ -125,6 +125,22 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     assert {run["project"] for run, _ in attempts} == {"from-env"}
 
 
+def test_a_second_record_of_a_step_joins_its_wandb_row(tmp_path: Path) -> None:
+    """The loop logs a rollout's metrics, then its evaluation scores as a second record of the same step: both
+    reach that step's W&B row (committing each record would make W&B drop the scores)."""
+    code = LOG_STEPS + f"""
+cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
+with MetricsLogger({str(tmp_path / 'run')!r}, cfg) as m:
+    m.log(1, {{"agent/return": 0.5}})
+    m.log(1, {{"eval/arithmetic/accuracy": 0.25}})
+    m.log(2, {{"agent/return": 1.0}})
+"""
+    _python(code, _env(tmp_path))
+    [(_, history)] = _wandb_runs(tmp_path / "wandb-files")
+    assert [(item["_step"], _ours(item)) for item in history] == \
+        [(1, {"agent/return": 0.5, "eval/arithmetic/accuracy": 0.25}), (2, {"agent/return": 1.0})]
+
+
 # two rollouts of the tiny model, as small as a run gets
 SHORT_RUN = ["selfplay.num_rollouts=2", "selfplay.global_batch_size=4", "rollout.envs_per_rollout=1",
              "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=1",

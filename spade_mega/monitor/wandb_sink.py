@@ -10,6 +10,11 @@ in the directory (its JSONL records are set aside) starts a new W&B run. W&B's h
 interrupted attempt sent after its last checkpoint stay there, and W&B ignores this attempt's records of those steps
 (metrics.jsonl and TensorBoard show this attempt's).
 
+A step's W&B row stays open until a later step (or the run's end) arrives, because the loop writes a rollout's
+evaluation scores as a second record of its step, after the rollout's own (a committed step takes nothing more: W&B
+drops it). So the W&B charts run one record behind metrics.jsonl, and a job killed outright (no close) leaves its
+last record out of W&B; metrics.jsonl has it.
+
 Failures: wandb.init failing at the start of a new run (no API key, no network in online mode) stops the run there,
 before its first rollout, naming the setting. Any W&B error after that (its service process gone, say), and a failing
 wandb.init when resuming (a requeued job meeting a W&B outage), is said once; the sink then goes quiet and
@@ -116,7 +121,7 @@ class WandbSink:
         if self._run is None:
             return
         try:
-            self._run.log(dict(metrics), step=step)
+            self._run.log(dict(metrics), step=step)  # not committed: a second record of the step may follow
         except Exception as exc:
             self._stop(f"at step {step}", exc)
 
