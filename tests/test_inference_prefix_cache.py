@@ -130,6 +130,26 @@ def test_a_prompt_that_only_partly_matches_reuses_exactly_the_common_tokens(cfg)
     assert_same(cached.generate(requests), plain.generate(requests))  # the three in one batch
 
 
+def test_prompts_of_one_batch_forward_the_start_they_share_once(cfg):
+    """A GRPO group's plays open with the same prompt, and all agent prompts with the same instructions. Four equal
+    prompts, two that share their first 100 tokens with them and an unrelated one, in one call with nothing cached:
+    the shared starts (149 tokens of the equal ones, 100 of the others) go in one forward, then each prompt forwards
+    what follows its start (the equal ones their last token); the completions are those of a cache-less engine."""
+    cached, plain = make_engine(cfg, 64), make_engine(cfg, 0)
+    forwarded: list[tuple[int, int]] = []
+    cached.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: forwarded.append(tuple(args[0].shape)) if args[0].shape[1] > 1 else None)
+    common = tokens(150, 1)
+    prompts = [common] * 4 + [common[:100] + tokens(30, 2), common[:100] + tokens(40, 3), (7,) + tokens(120, 4)]
+    requests = [GenerationRequest(p, SamplingParams(max_new_tokens=5, temperature=float(i % 2), seed=i))
+                for i, p in enumerate(prompts)]
+    assert_same(cached.generate(requests), plain.generate(requests))
+    assert sorted(forwarded) == [(1, 121), (2, 149), (6, 40)]  # the unrelated prompt; the starts; what follows them
+    assert cached.prefix_cache.stats.reused_tokens == 4 * 149 + 2 * 100
+    again = [GenerationRequest(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts[3:]]
+    assert_same(cached.generate(again), plain.generate(again))  # the starts are cached now: nothing to share
+
+
 def test_a_weight_update_invalidates_the_cache(cfg):
     """Keys and values computed by the old weights must never meet the new ones: after an update the next turn
     prefills its whole prompt, and generates what an engine without a cache does with the new weights. A failed

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # the engine runs tran
 
 from spade_mega.config.schema import ModelConfig, SpadeConfig
 from spade_mega.inference.base import EngineError, Generation, GenerationRequest
-from spade_mega.inference.prefix_cache import CachedSequence, LayerKV, PrefixCache
+from spade_mega.inference.prefix_cache import CachedSequence, LayerKV, PrefixCache, common_prefix
 from spade_mega.megatron.providers import hf_config_dict, resolve_model_config
 
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -80,7 +80,8 @@ class HFEngine:
 
     Finished sequences' keys and values stay in a :class:`PrefixCache` of ``prefix_cache_mb`` MiB (0: none), so a
     prompt that starts with one (the next turn of an agent episode: its prompt, completion and new observation)
-    prefills only the tokens after it. A weight update clears it: keys computed by other weights are stale."""
+    prefills only the tokens after it; a start that prompts of one call share (a GRPO group's first prompt) is
+    forwarded once, into the cache. A weight update clears it: keys computed by other weights are stale."""
 
     def __init__(self, model: ModelConfig, *, eos_token_id: int, pad_token_id: Optional[int] = None,
                  device: str = "auto", dtype: str = "auto", max_batch_size: int = 64, seed: int = 0,
@@ -251,8 +252,10 @@ class HFEngine:
         sampling = [r.sampling for r in requests]
         cache = _PreallocatedCache(model.config, n, min(2 * width, width + max(s.max_new_tokens for s in sampling)),
                                    dtype=self.dtype, device=device)
-        reused = ([self.prefix_cache.match(r.prompt_ids) for r in requests] if self.prefix_cache is not None
-                  else [(None, 0)] * n)
+        reused: list[tuple[Optional[CachedSequence], int]] = [(None, 0)] * n
+        if self.prefix_cache is not None:
+            self._share_prefixes(model, self.prefix_cache, [r.prompt_ids for r in requests])
+            reused = [self.prefix_cache.match(r.prompt_ids) for r in requests]
         logits = self._prefill(model, requests, reused, cache, width)
         starts = width - lengths  # each row's first column
 
@@ -318,12 +321,41 @@ class HFEngine:
         """Forward the prompts, store their keys and values in ``cache`` and return each one's next-token logits.
 
         ``reused[i]`` is the cached sequence whose first ``n`` keys and values prompt ``i`` takes instead of
-        forwarding its first ``n`` tokens (``(None, 0)``: none). What is left of the prompts (their *suffixes*) goes
-        in buckets of similar length (``prefill_tokens`` padded tokens at most), fresh prompts apart from those
-        continuing a cached prefix; see :meth:`_prefill_bucket`. Logits are computed for the last prompt token
+        forwarding its first ``n`` tokens (``(None, 0)``: none). Logits are computed for the last prompt token
         only."""
-        suffix = [len(r.prompt_ids) - m for r, (_, m) in zip(requests, reused)]
-        order = sorted(range(len(requests)), key=lambda i: (reused[i][1] > 0, suffix[i]))
+        logits = torch.empty((len(requests), self.vocab_size), dtype=self.dtype, device=self.device)
+        prompts = [r.prompt_ids for r in requests]
+        for bucket, bucket_logits, prefill, starts in self._prefill_buckets(model, prompts, reused):
+            logits[bucket] = bucket_logits
+            cache.store_prompts(bucket, [len(prompts[i]) for i in bucket], prefill, starts, width)
+        return logits
+
+    def _share_prefixes(self, model: torch.nn.Module, cache: PrefixCache, prompts: Sequence[tuple[int, ...]]) -> None:
+        """Prefill once, into the prefix cache, each start that prompts of this batch share beyond what the cache
+        holds (a GRPO group's identical first prompts, the instructions every agent or designer prompt opens with),
+        so that every prompt then continues it instead of forwarding it again. Starts are those of neighbours in
+        sorted order, each at most one token short of either prompt (its last token is forwarded for its logits)."""
+        ordered = sorted(prompts)  # equal prompts side by side share all but their last token
+        shared = set()
+        for a, b in zip(ordered, ordered[1:]):
+            n = min(common_prefix(a, b), len(a) - 1, len(b) - 1)
+            if n >= cache.block and cache.peek(a[:n + 1])[1] < n:
+                shared.add(a[:n])
+        starts = sorted(shared)
+        reused = [cache.match(start) for start in starts]
+        for bucket, _, prefill, columns in self._prefill_buckets(model, starts, reused):
+            for row, (i, column) in enumerate(zip(bucket, columns)):
+                cache.store(starts[i], prefill.row_states(row, column, column + len(starts[i])),
+                            replaces=reused[i][0])
+
+    def _prefill_buckets(self, model: torch.nn.Module, prompts: Sequence[tuple[int, ...]],
+                         reused: Sequence[tuple[Optional[CachedSequence], int]]
+                         ) -> Iterator[tuple[list[int], torch.Tensor, _PreallocatedCache, list[int]]]:
+        """:meth:`_prefill_bucket` over buckets of prompts whose suffixes (what is left after the part ``reused``)
+        have similar lengths (``prefill_tokens`` padded tokens at most), fresh prompts apart from those continuing a
+        cached prefix: each bucket's prompt indices, then what :meth:`_prefill_bucket` returns."""
+        suffix = [len(p) - m for p, (_, m) in zip(prompts, reused)]
+        order = sorted(range(len(prompts)), key=lambda i: (reused[i][1] > 0, suffix[i]))
         buckets: list[list[int]] = [[]]
         for i in order:  # sorted: a bucket's width is its last suffix's length
             bucket = buckets[-1]
@@ -331,12 +363,9 @@ class HFEngine:
                            or (len(bucket) + 1) * suffix[i] > self.prefill_tokens):
                 buckets.append([])
             buckets[-1].append(i)
-        logits = torch.empty((len(requests), self.vocab_size), dtype=self.dtype, device=self.device)
         for bucket in buckets:
-            prompts = [requests[i].prompt_ids for i in bucket]
-            logits[bucket], prefill, starts = self._prefill_bucket(model, prompts, [reused[i] for i in bucket])
-            cache.store_prompts(bucket, [len(p) for p in prompts], prefill, starts, width)
-        return logits
+            if bucket:
+                yield (bucket, *self._prefill_bucket(model, [prompts[i] for i in bucket], [reused[i] for i in bucket]))
 
     def _prefill_bucket(self, model: torch.nn.Module, prompts: Sequence[tuple[int, ...]],
                         reused: Sequence[tuple[Optional[CachedSequence], int]]
@@ -456,10 +485,11 @@ class _PreallocatedCache(Cache):
             layer.length = end
             layer.keys, layer.values = (buffer[:, :, :end] for buffer in layer.buffers)
 
-    def row_states(self, row: int, start: int) -> list[LayerKV]:
-        """Copies of row ``row``'s keys and values from column ``start`` to the last one filled, per layer."""
-        return [tuple(buffer[row, :, start:layer.length].clone() for buffer in layer.buffers)  # type: ignore[misc]
-                for layer in self.layers]
+    def row_states(self, row: int, start: int, end: Optional[int] = None) -> list[LayerKV]:
+        """Copies of row ``row``'s keys and values from column ``start`` to ``end`` (the last one filled), per
+        layer."""
+        return [tuple(buffer[row, :, start:layer.length if end is None else end].clone()  # type: ignore[misc]
+                      for buffer in layer.buffers) for layer in self.layers]
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (ascending), moved up to the first ``len(index)`` rows of the same buffers."""

@@ -76,8 +76,17 @@ class PrefixCache:
         """The entry sharing the longest prefix with ``prompt`` (at least one block) and that prefix's length, at
         most ``len(prompt) - 1`` (the last prompt token is always forwarded: its logits start the completion);
         ``(None, 0)`` when none does. A hit counts as a use for the eviction order."""
+        found, n = self.peek(prompt)
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(prompt)
+        if found is not None:
+            self._entries.move_to_end(found.key)
+            self.stats.hits += 1
+            self.stats.reused_tokens += n
+        return found, n
+
+    def peek(self, prompt: Sequence[int]) -> tuple[Optional[CachedSequence], int]:
+        """What :meth:`match` finds, without counting it as a use."""
         chain = self._chain(prompt[:len(prompt) - 1])
         for level in range(len(chain) - 1, -1, -1):
             keys = self._index.get(chain[level])
@@ -86,14 +95,11 @@ class PrefixCache:
             ids = np.asarray(prompt[:len(prompt) - 1], dtype=np.int64)
             found, best = None, 0
             for key in keys:  # exact comparison: a hash collision must never reuse another sequence's keys
-                n = _common_prefix(ids, self._entries[key].ids)
+                n = common_prefix(ids, self._entries[key].ids)
                 if n > best:
                     found, best = self._entries[key], n
             if found is None or best < self.block:
                 return None, 0
-            self._entries.move_to_end(found.key)
-            self.stats.hits += 1
-            self.stats.reused_tokens += best
             return found, best
         return None, 0
 
@@ -110,7 +116,7 @@ class PrefixCache:
             return
         array = np.asarray(ids, dtype=np.int64)
         if replaces is not None and len(replaces.ids) <= len(array) and \
-                _common_prefix(array, replaces.ids) == len(replaces.ids):
+                common_prefix(array, replaces.ids) == len(replaces.ids):
             self._remove(replaces.key)
         while self.nbytes + nbytes > self.budget_bytes:
             self._remove(next(iter(self._entries)))
@@ -140,7 +146,9 @@ class PrefixCache:
         self.nbytes = 0
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
