@@ -6,6 +6,7 @@ the samples of that step not trained (``step_skipped``). Real Megatron steps of 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,7 +56,11 @@ seed = derive_seed(cfg.run.seed, "batch", 2)
 index = {id(s): k for k, s in enumerate(samples)}
 steps = [[index[id(s)] for s in batch] for batch in optimizer_batches(samples, 2, seed)]
 before = weights()
+steps_taken = []  # each optimizer step's own result, beside the rollout's averages
+take_step = trainer.train_step
+trainer.train_step = lambda batch: steps_taken.append(take_step(batch)) or steps_taken[-1]
 metrics, trained = SelfPlay(cfg)._train(trainer, samples, 2)
+trainer.train_step = take_step
 after = weights()
 transcript.settle(trajectories, values, trained)
 transcript.write(run_dir)
@@ -66,7 +71,8 @@ step = trainer.train_step(train_samples(trajectories[1:], values[1:]))
 json.dump({"steps": steps, "skipped_step": skipped_step, "trained": trained, "updated": metrics["train/updated"],
            "train_steps": metrics["train/steps"], "finite_after": bool(torch.isfinite(after).all()),
            "moved": not unchanged, "next_updated": step.updated,
-           "next_finite": bool(torch.isfinite(weights()).all()), "next_moved": not torch.equal(after, weights())},
+           "next_finite": bool(torch.isfinite(weights()).all()), "next_moved": not torch.equal(after, weights()),
+           "metrics": metrics, "step_metrics": [{"updated": res.updated, **res.metrics} for res in steps_taken]},
           open(run_dir + "/result.json", "w"))
 """
 
@@ -86,6 +92,21 @@ def test_a_step_with_non_finite_gradients_changes_no_weight(skipped: tuple[Path,
     assert result["finite_after"]  # NaN in every weight before
     assert result["moved"]  # the other step trained
     assert result["next_updated"] and result["next_finite"] and result["next_moved"]
+
+
+def test_the_rollout_metrics_average_the_applied_steps_and_count_the_skipped(skipped: tuple[Path, dict]) -> None:
+    """A skipped step's loss and grad norm are left out of the rollout's train/* averages, as Megatron-LM leaves a
+    skipped iteration out of its logged averages: one such step made the rollout's train/grad_norm NaN and its
+    train/loss ~-2e37, hiding the steps that trained. train/skipped_steps counts it; counts still add up over all."""
+    metrics, steps = skipped[1]["metrics"], skipped[1]["step_metrics"]
+    applied = next(step for step in steps if step["updated"])
+    bad = next(step for step in steps if not step["updated"])
+    # what the skipped step reports itself: no grad norm, a loss of ~-4e37 (finite: it would swamp a mean unseen)
+    assert math.isnan(bad["grad_norm"]) and abs(bad["loss"]) > 1e30
+    assert metrics["train/skipped_steps"] == 1.0 and metrics["train/updated"] == 1.0
+    for key in ("loss", "grad_norm", "pg_loss", "clip_frac", "approx_kl"):
+        assert metrics[f"train/{key}"] == applied[key], key
+    assert metrics["train/tokens"] == applied["tokens"] + bad["tokens"]  # the work of both steps
 
 
 def test_the_transcript_says_which_samples_a_skipped_step_held(skipped: tuple[Path, dict],

@@ -628,13 +628,19 @@ class SelfPlay:
         results: list[StepResult] = [trainer.train_step(batch) for batch in batches]
         step_of = {id(sample): k for k, batch in enumerate(batches) for sample in batch}
         updated = [results[step_of[id(sample)]].updated for sample in samples]
-        out = {"train/steps": float(len(results)), "train/updated": float(sum(res.updated for res in results))}
-        if out["train/updated"] < out["train/steps"]:
+        applied = [res for res in results if res.updated]
+        out = {"train/steps": float(len(results)), "train/updated": float(len(applied)),
+               "train/skipped_steps": float(len(results) - len(applied))}
+        if out["train/skipped_steps"]:
             log.warning("rollout %d: %d of %d optimizer step(s) skipped, their gradients not finite: %d of %d "
-                        "sample(s) not trained on (train/updated; step_skipped in the rollout's transcript)", r,
-                        len(results) - int(out["train/updated"]), len(results), updated.count(False), len(samples))
+                        "sample(s) not trained on (train/skipped_steps; step_skipped in the rollout's transcript)", r,
+                        len(results) - len(applied), len(results), updated.count(False), len(samples))
+        # counts add up over every step; averages are over the applied ones (a skipped step's loss and grad norm, inf,
+        # NaN or ~1e38, would hide the others: Megatron-LM leaves skipped iterations out of its averages too), over all
+        # when none was applied (train/grad_norm NaN then says so)
         for key in results[0].metrics:
-            values = [res.metrics[key] for res in results if key in res.metrics]
+            values = [res.metrics[key] for res in (results if key in _SUMMED else applied or results)
+                      if key in res.metrics]
             out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
         out["train/tokens_per_s"] = out["train/tokens"] / max(out["train/step_time_s"], 1e-9)
         if gaps:  # engine vs trainer log-probs of the same tokens under the same weights: numerics, or a failed sync
