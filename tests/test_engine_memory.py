@@ -410,13 +410,9 @@ sys.exit(main(["train", *sys.argv[2:]]))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_sync(tmp_path, make_servers) -> None:
-    """Two data-parallel ranks, rank 0's engine attached to an SGLang-speaking server: in each rollout every
-    generation comes first, then the release (once the server is idle), then both ranks' forward and steps, then
-    resume(weights), the reload, resume(kv_cache); evaluation generates after that."""
-    fake = make_servers("sglang", count=1)[0]
+def _train_two_ranks(tmp_path: Path, fake: MemoryServer) -> subprocess.CompletedProcess:
+    """The traced `spade-mega train` of two rollouts on two data-parallel ranks, rank 0's engine attached to
+    ``fake``."""
     cfg = load_config(TINY)
     folder = write_model_folder(tmp_path / "served", cfg.model, TOK)
     script = tmp_path / "traced_train.py"
@@ -430,9 +426,19 @@ def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_s
                  "rollout.max_designer_tokens=8", "curriculum.corpus.token_budget=64", "eval.interval=2",
                  "eval.before_train=false", "logging.tensorboard=false", "logging.progress=false",
                  "sandbox.warm_workers=1", *isolation]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), fake.url, str(TINY), *overrides], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_sync(tmp_path, make_servers) -> None:
+    """Two data-parallel ranks, rank 0's engine attached to an SGLang-speaking server: in each rollout every
+    generation comes first, then the release (once the server is idle), then both ranks' forward and steps, then
+    resume(weights), the reload, resume(kv_cache); evaluation generates after that."""
+    fake = make_servers("sglang", count=1)[0]
+    proc = _train_two_ranks(tmp_path, fake)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = [e for e in fake.events if e != "info"]
     rounds, current = [], []
@@ -454,3 +460,19 @@ def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_s
     rollouts = [r for r in records if "time/rollout_s" in r]  # evaluation's record of rollout 2 comes on its own
     assert [r["step"] for r in rollouts] == [1, 2]
     assert all(r["time/engine_release_s"] >= 0 and r["time/engine_resume_s"] >= 0 for r in rollouts)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_resume_the_server_refuses_stops_every_rank_naming_it(tmp_path, make_servers) -> None:
+    """The server refuses to take back its weights' memory after rollout 1's step: rank 0 raises the engine's error,
+    rank 1 (waiting for it, not in a collective of its own) stops naming it, and the job ends; nothing is reloaded
+    into the released memory and nothing generates after the release."""
+    fake = make_servers("sglang", count=1, refuse="resume:weights")[0]
+    proc = _train_two_ranks(tmp_path, fake)
+    assert proc.returncode != 0
+    refused = f"SGLang server at {fake.url} did not take back the GPU memory of its weights"
+    assert refused in proc.stderr and f"rank 0 failed, so rank 1 stops too: EngineError: {refused}" in proc.stderr
+    after = fake.events[fake.events.index("release"):]
+    assert "reload" not in after and "generate" not in after and "refused resume:weights" in after
+    assert {e.rsplit(":", 1)[1] for e in after if e.startswith("trainer:step")} == {"0", "1"}  # both stepped first
