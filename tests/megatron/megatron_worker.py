@@ -16,6 +16,7 @@
   padding    any layout: the MoE load-balancing loss and gradients of a padded row against the unpadded row
   qwen3_30b  the Qwen3-30B-A3B TransformerConfig and parameter counts on the meta device (JSON on stdout)
   models     one process: Trainers of 2, 4 and 2 layers built one after the other, one step each
+  skip       any layout: a finite step, one whose gradients overflow (skipped), a finite step; per rank what moved
 """
 
 from __future__ import annotations
@@ -192,6 +193,51 @@ def scenario_grpo(args) -> None:
         trainer.train_step(samples)
         rewards.append(sum(reward) / len(reward))
     write_json(args.out / "grpo.json", {"mean_reward": rewards})
+
+
+def scenario_skip(args) -> None:
+    """Any layout: a finite step on batch A, then a step on batch B whose sample 0 carries an advantage of 3e38 (its
+    gradients overflow), then a finite step on batch C. Each rank writes skip_<rank>.json: every step's ``updated``,
+    whether its own reduced grad buffers were finite when the step was decided, and whether the skipped step left its
+    weights, Adam moments, schedule and learning rate as they were."""
+    import torch
+    import torch.distributed as dist
+
+    trainer = trainer_for(args)
+    decide, local_finite = trainer._gradients_finite, []
+
+    def recorded() -> bool:  # what this rank's buffers held when the job decided (the decision itself unchanged)
+        local_finite.append(all(bool(torch.isfinite(b.grad_data).all()) for chunk in trainer.model
+                                for b in chunk.buffers + chunk.expert_parallel_buffers))
+        return decide()
+
+    trainer._gradients_finite = recorded
+
+    def snapshot() -> dict:
+        optimizers = [opt.optimizer for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
+        return {"weights": [p.detach().clone() for chunk in trainer.model for p in chunk.parameters()],
+                "moments": [t.clone() for opt in optimizers for state in opt.state.values()
+                            for t in state.values() if torch.is_tensor(t)],
+                "schedule": trainer.scheduler.num_steps, "lr": trainer.optimizer.param_groups[0]["lr"]}
+
+    def same(a: dict, b: dict) -> bool:
+        return a["schedule"] == b["schedule"] and a["lr"] == b["lr"] and all(
+            len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
+            for k in ("weights", "moments"))
+
+    first = trainer.train_step(make_batch(1))
+    before = snapshot()
+    overflowing = make_batch(2)
+    overflowing[0].advantages = torch.where(overflowing[0].loss_mask, torch.tensor(3e38), torch.tensor(0.0))
+    skipped = trainer.train_step(overflowing)
+    after = snapshot()
+    last = trainer.train_step(make_batch(3))
+    moved = snapshot()
+    (args.out / f"skip_{dist.get_rank()}.json").write_text(json.dumps({
+        "updated": [first.updated, skipped.updated, last.updated], "local_finite": local_finite,
+        "moments": len(before["moments"]), "unchanged": same(before, after), "trainer_step": trainer.step,
+        "skipped_grad_norm": skipped.metrics["grad_norm"], "last_moved": not same(after, moved),
+        "finite_after": all(bool(torch.isfinite(w).all()) for w in moved["weights"])}))
 
 
 def scenario_killsave(args) -> None:
@@ -411,7 +457,7 @@ def scenario_qwen3_30b(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "schedule", "compat",
-                                             "single", "padding", "qwen3_30b", "models"])
+                                             "single", "padding", "qwen3_30b", "models", "skip"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")

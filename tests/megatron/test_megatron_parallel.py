@@ -117,3 +117,20 @@ def test_dense_model_with_tied_embeddings_in_pp2_matches_single_process(tmp_path
     saved, loaded = torch.load(tmp_path / "reference_logits.pt"), torch.load(tmp_path / "pp2_logits.pt")
     err = float((loaded - saved).abs().max() / saved.abs().max())
     assert err < RTOL, f"logits after one step differ from one process (relative {err:.2e})"
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_alike_on_every_rank(tmp_path: Path) -> None:
+    """PP2 with two virtual stages, EP2 and the distributed optimizer's reduce-scatter over two data-parallel ranks
+    (four processes, each holding other parameters, expert buffers and optimizer shards): a step whose gradients
+    overflow is skipped by every rank, none of which moves a weight, an Adam moment (its step count included), the
+    schedule or the learning rate; the next finite step trains everywhere. The trainer's step counts the skipped one,
+    as Megatron-LM's iteration does (a rollout whose steps were all skipped saves under a checkpoint name of its own)."""
+    run_worker(4, "skip", tmp_path, "parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
+               *FOUR_LAYERS, "optimizer.distributed=true")
+    ranks = [read_json(tmp_path / f"skip_{rank}.json") for rank in range(4)]
+    for rank, got in enumerate(ranks):
+        assert got["updated"] == [True, False, True], f"rank {rank}: {got}"
+        assert got["moments"] > 0 and got["unchanged"], f"rank {rank}: the skipped step moved something ({got})"
+        assert got["last_moved"] and got["finite_after"], f"rank {rank}: the next finite step did not train ({got})"
+        assert got["trainer_step"] == 3 and got["skipped_grad_norm"] != got["skipped_grad_norm"]  # NaN
+        assert got["local_finite"][0] and got["local_finite"][2], f"rank {rank}: {got}"
