@@ -51,9 +51,15 @@ def test_the_win_rate_rises_with_training_and_stays_flat_at_lr_0(tmp_path: Path)
                                      f"run.name={name}", *QUIET, *_isolation(), *extra],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
              for name, extra in runs.items()}  # side by side: one torch thread each, two cores
-    for name, proc in procs.items():
-        _, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"{name}: {stderr[-4000:]}"
+    try:
+        for name, proc in procs.items():
+            _, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{name}: {stderr[-4000:]}"
+    finally:  # one failed or hung: the other run is not left training on CI's two cores
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     learn, flat = (_records(tmp_path / name) for name in runs)
     for records in (learn, flat):
         assert [r["step"] for r in records] == list(range(1, 21))
