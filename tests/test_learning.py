@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -136,6 +137,10 @@ def test_a_resume_plays_the_listed_programs_as_they_are_now_and_says_what_change
     with EnvMemory.for_run(load_config(LEARN).curriculum.memory, tmp_path / "tiny_learn") as memory:
         kept = memory.get(first.env_id)  # the checkpoint's program and its plays stay recorded
     assert kept.plays == 4 and kept.last_iteration == 1
+    # no hint plays, so no regret was measured: none is logged (0 was), and nothing is NaN without a designer
+    records = _records(tmp_path / "tiny_learn")
+    assert [r["step"] for r in records] == [1, 2] and not any("designer/regret" in r for r in records)
+    assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
 
 
 def test_a_resume_says_how_the_listed_programs_differ_from_the_checkpoints_set() -> None:

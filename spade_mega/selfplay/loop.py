@@ -450,9 +450,9 @@ class _Actor:
                    "agent/episodes": float(len(agent_returns)),
                    "agent/trained_episodes": float(len(trajectories)),
                    "agent/failed_episodes": float(failures),
-                   "agent/turns": _mean([float(ep.turns) for ep in episodes]),
-                   "designer/regret": _mean(regrets) if regrets else 0.0}
-        if hint_returns:
+                   "agent/turns": _mean([float(ep.turns) for ep in episodes])}
+        if hint_returns:  # regret is measured by hint plays: without any (agent-only training) there is none to log
+            metrics["designer/regret"] = _mean(regrets)
             metrics["agent/hint_return"] = _mean(hint_returns)
             metrics["agent/hint_win_rate"] = win_rate(hint_returns, cfg.rewards)
         metrics.update(batch.stats.metrics("perf/agent"))
