@@ -74,16 +74,25 @@ def assert_same(cached: list[Generation], plain: list[Generation]) -> None:
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_later_turns_prefill_only_their_new_tokens_and_generate_what_a_full_prefill_does(cfg, monkeypatch, chunked):
-    """Six episodes of three turns, prompts of 30 to 230 tokens, in prefill buckets of 400 padded tokens (several per
-    call); a fresh conversation joins at turn 2, so one call mixes cached and fresh prompts. Chunked: a mask budget of
-    5,000 entries forwards the suffixes in chunks of a few queries. Every later turn reuses its whole previous turn
-    (prompt and completion but its last token, whose keys were never computed) and forwards only the new tokens."""
+    """Six episodes of three turns, prompts of 30 to 230 tokens, in prefill buckets whose cache holds at most 1,000
+    columns x rows (several per call, rows continuing prefixes of different lengths together); a fresh conversation
+    joins at turn 2, so one call mixes cached and fresh prompts. Chunked: a mask budget of 5,000 entries forwards the
+    suffixes in chunks of a few queries. Every later turn reuses its whole previous turn (prompt and completion but its
+    last token, whose keys were never computed) and forwards only the new tokens."""
     if chunked:
         monkeypatch.setattr(hf_module, "_MASK_ENTRIES", 5_000)
-    cached, plain = (make_engine(cfg, mb, prefill_tokens=400) for mb in (64, 0))
+    cached, plain = (make_engine(cfg, mb, prefill_tokens=1000) for mb in (64, 0))
     forwarded: list[int] = []  # tokens per row of each prefill forward
     cached.model.get_input_embeddings().register_forward_hook(
         lambda module, args, out: forwarded.append(args[0].shape[1]) if args[0].shape[1] > 1 else None)
+    sdpa, attended = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        if attn_mask is None or attn_mask.shape[2] > 1:  # prefill (a decode step's mask has one query row)
+            attended.append((key.shape[0], key.shape[2], attn_mask is not None))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     prompts = [tokens(30 + 40 * i, i) for i in range(6)]
     previous: list[Generation] = []
     for turn in range(3):
@@ -106,6 +115,8 @@ def test_later_turns_prefill_only_their_new_tokens_and_generate_what_a_full_pref
         previous = done
         prompts = [p + g.output_ids + tokens(20 + 7 * i, 100 * turn + i) for i, (p, g) in enumerate(zip(prompts, done))]
     assert len(cached.prefix_cache) == len(prompts)  # each turn's entry replaced its conversation's previous one
+    assert all(rows * columns <= 1000 for rows, columns, _ in attended)
+    assert any(masked and rows >= 2 for rows, _, masked in attended)  # different prefix lengths in one forward
 
 
 def test_a_prompt_that_only_partly_matches_reuses_exactly_the_common_tokens(cfg):

@@ -351,21 +351,25 @@ class HFEngine:
     def _prefill_buckets(self, model: torch.nn.Module, prompts: Sequence[tuple[int, ...]],
                          reused: Sequence[tuple[Optional[CachedSequence], int]]
                          ) -> Iterator[tuple[list[int], torch.Tensor, _PreallocatedCache, list[int]]]:
-        """:meth:`_prefill_bucket` over buckets of prompts whose suffixes (what is left after the part ``reused``)
-        have similar lengths (``prefill_tokens`` padded tokens at most), fresh prompts apart from those continuing a
-        cached prefix: each bucket's prompt indices, then what :meth:`_prefill_bucket` returns."""
-        suffix = [len(p) - m for p, (_, m) in zip(prompts, reused)]
-        order = sorted(range(len(prompts)), key=lambda i: (reused[i][1] > 0, suffix[i]))
-        buckets: list[list[int]] = [[]]
-        for i in order:  # sorted: a bucket's width is its last suffix's length
-            bucket = buckets[-1]
-            if bucket and ((reused[bucket[0]][1] > 0) != (reused[i][1] > 0)
-                           or (len(bucket) + 1) * suffix[i] > self.prefill_tokens):
-                buckets.append([])
-            buckets[-1].append(i)
+        """:meth:`_prefill_bucket` over buckets of prompts of similar length, fresh prompts apart from those
+        continuing a cached prefix: each bucket's prompt indices, then what :meth:`_prefill_bucket` returns. A
+        bucket's cache (its rows x its longest prefix plus its longest suffix, the part not ``reused``) stays within
+        ``prefill_tokens`` columns (a longer prompt goes alone): for fresh prompts, its padded tokens."""
+        order = sorted(range(len(prompts)), key=lambda i: (reused[i][1] > 0, len(prompts[i])))
+        buckets: list[list[int]] = []
+        longest = (0, 0)  # the current bucket's longest prefix and suffix
+        for i in order:
+            m = reused[i][1]
+            grown = (max(longest[0], m), max(longest[1], len(prompts[i]) - m))
+            if buckets and (reused[buckets[-1][0]][1] > 0) == (m > 0) and \
+                    (len(buckets[-1]) + 1) * sum(grown) <= self.prefill_tokens:
+                buckets[-1].append(i)
+                longest = grown
+            else:
+                buckets.append([i])
+                longest = (m, len(prompts[i]) - m)
         for bucket in buckets:
-            if bucket:
-                yield (bucket, *self._prefill_bucket(model, [prompts[i] for i in bucket], [reused[i] for i in bucket]))
+            yield (bucket, *self._prefill_bucket(model, [prompts[i] for i in bucket], [reused[i] for i in bucket]))
 
     def _prefill_bucket(self, model: torch.nn.Module, prompts: Sequence[tuple[int, ...]],
                         reused: Sequence[tuple[Optional[CachedSequence], int]]
