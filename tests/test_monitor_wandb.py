@@ -66,17 +66,27 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def _wandb_runs(files: Path) -> list[tuple[dict, list[dict]]]:
-    """Every W&B run (attempt) written under ``files``, oldest first: its run record and its history items."""
+def _wandb_records(files: Path) -> list[list[dict]]:
+    """The records of every W&B run (attempt) written under ``files``, oldest first. Its directory is named
+    ``<mode>-run-<second>-<id>``, with ``-<k>`` added for a k-th attempt in the same second (whose name would sort
+    before the first's)."""
+    def started(path: Path) -> tuple[str, int]:
+        stem, _, k = path.parent.name.partition(path.stem.removeprefix("run-"))
+        return stem, int(k.lstrip("-") or 0)
+
     out = []
-    for path in sorted(files.rglob("run-*.wandb")):
+    for path in sorted(files.rglob("run-*.wandb"), key=started):
         proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        run = next(r["run"] for r in records if r["type"] == "run")
-        out.append((run, [r["history"]["item"] for r in records if r["type"] == "history"]))
+        out.append([json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")])
     return out
+
+
+def _wandb_runs(files: Path) -> list[tuple[dict, list[dict]]]:
+    """Every W&B run (attempt) written under ``files``, oldest first: its run record and its history items."""
+    return [(next(r["run"] for r in records if r["type"] == "run"),
+             [r["history"]["item"] for r in records if r["type"] == "history"]) for records in _wandb_records(files)]
 
 
 def _ours(item: dict) -> dict:
@@ -139,6 +149,24 @@ with MetricsLogger({str(tmp_path / 'run')!r}, cfg) as m:
     [(_, history)] = _wandb_runs(tmp_path / "wandb-files")
     assert [(item["_step"], _ours(item)) for item in history] == \
         [(1, {"agent/return": 0.5, "eval/arithmetic/accuracy": 0.25}), (2, {"agent/return": 1.0})]
+
+
+def test_a_run_that_ends_by_an_error_is_failed_in_wandb_and_its_resumed_attempt_finished(tmp_path: Path) -> None:
+    """W&B's run state (finished / failed) is how a sweep's crashed runs are found: an attempt whose loop raised
+    (inside the logger's ``with``) reports exit code 1, its resumed attempt ending normally 0."""
+    code = LOG_STEPS + f"""
+try:
+    with MetricsLogger({str(tmp_path / 'run')!r}, LoggingConfig(tensorboard=False, gpu_stats=False,
+                                                              wandb=WandbConfig(enabled=True))) as m:
+        m.log(1, {{"agent/return": 0.5}})
+        raise RuntimeError("out of memory")
+except RuntimeError:
+    pass
+log_steps({str(tmp_path / 'run')!r}, [2], resume_step=1)
+"""
+    _python(code, _env(tmp_path))
+    assert [[r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"]
+            for records in _wandb_records(tmp_path / "wandb-files")] == [[1], [0]]
 
 
 # two rollouts of the tiny model, as small as a run gets

@@ -47,7 +47,7 @@ def current_rank() -> int:
 class Sink(Protocol):
     def write(self, step: int, wall_time: float, metrics: Mapping[str, float | int]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, failed: bool = False) -> None: ...  # failed: the run ends by an error (W&B marks its run failed)
 
 
 def _aside_path(path: Path) -> Path:
@@ -110,7 +110,7 @@ class JsonlSink:
         self._file.write(encode_record(step, wall_time, metrics) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if not self._file.closed:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -139,7 +139,7 @@ class TensorBoardSink:
             self._writer.add_scalar(name, value, global_step=step, walltime=wall_time)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._writer.close()
 
 
@@ -224,12 +224,14 @@ class MetricsLogger:
             sink.write(step, wall_time, metrics)
         self._last_step = step
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Write what is pending and close the sinks; ``failed`` (the ``with`` block raised) tells W&B the run failed,
+        which it would otherwise show as finished."""
         try:
             self.commit()
         finally:
             for sink in self._sinks:
-                sink.close()
+                sink.close(failed)
             self._sinks = []
             if self._gpu is not None:
                 self._gpu.close()
@@ -241,4 +243,4 @@ class MetricsLogger:
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)

@@ -125,11 +125,11 @@ class WandbSink:
         except Exception as exc:
             self._stop(f"at step {step}", exc)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._run is None:
             return
         try:
-            self._run.finish()
+            self._run.finish(exit_code=1 if failed else 0)
         except TimeoutError:  # finish_timeout_s ran out: the data is on disk, the job's nodes are free to go
             log.warning("W&B did not finish uploading this run within %s s (logging.wandb.finish_timeout_s, else "
                         "$WANDB_FINISH_TIMEOUT); what it holds is kept in %s: `wandb sync --include-online` that "
