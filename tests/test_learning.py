@@ -238,3 +238,14 @@ def test_the_schedule_horizon_of_agent_only_training_counts_no_designer_samples(
     # cosine or linear schedule had decayed only half way at the run's end.
     cfg = load_config(LEARN, ["optimizer.lr_schedule=cosine"])
     assert SelfPlay(cfg)._steps_estimate() == cfg.selfplay.num_rollouts == 20
+
+
+def test_the_learning_bench_never_reports_an_earlier_invocations_runs(tmp_path: Path) -> None:
+    """``--out`` keeps the two runs; a second invocation into the same folder (another --seed, say) resumed the finished
+    runs there, trained nothing and printed their curves as its own. It is refused before anything runs."""
+    from tools.bench import learning
+
+    (tmp_path / "trained").mkdir()
+    with pytest.raises(SystemExit) as info:
+        learning.main(["--rollouts", "1", "--seed", "7", "--out", str(tmp_path)])
+    assert f"{tmp_path} already holds trained" in str(info.value)

@@ -51,11 +51,16 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--rollouts", type=int, default=20, help="rollouts (= optimizer steps) of each run")
     parser.add_argument("--lr", type=float, default=1e-2, help="the trained run's optimizer.lr")
     parser.add_argument("--seed", type=int, default=1234, help="run.seed of both runs")
-    parser.add_argument("--out", help="where the two runs are kept (default: a temporary folder, removed)")
+    parser.add_argument("--out", help="where the two runs are kept (default: a temporary folder, removed); a folder "
+                        "without an earlier invocation's runs")
     args = parser.parse_args(list(argv))
     common = [f"selfplay.num_rollouts={args.rollouts}", f"selfplay.regen_interval={args.rollouts}",
               f"selfplay.save_interval={args.rollouts}", f"run.seed={args.seed}"]
     runs = {"trained": [*common, f"optimizer.lr={args.lr}"], "baseline": [*common, f"optimizer.lr={BASELINE_LR}"]}
+    taken = [name for name in runs if args.out and (Path(args.out) / name).exists()]
+    if taken:  # the runs there would resume (finished: nothing to train) and be reported as this invocation's
+        raise SystemExit(f"--out {args.out} already holds {' and '.join(taken)} (an earlier invocation's runs): give "
+                         "another folder")
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         rates = win_rates(Path(args.out or scratch), runs)
