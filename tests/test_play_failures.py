@@ -45,12 +45,9 @@ def knock(observation: str):
         observation = yield "knock"
 
 
-def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   tokenizer) -> None:
-    """Its hint plays win and its plays without the hint break: a regret of 1, the memory's best seed, while the
-    designer is paid the penalty for it and it leaves the environment set. The memory records it invalid (reason
-    program_error, as the solvability check's plays would), so no designer prompt shows it as an example (it stayed
-    valid and became the first seed)."""
+def _actor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, door: EnvProgram) -> tuple[object, object]:
+    """The loop's actor whose designer writes ``door`` (its skill the one active) and whose policy knocks with the
+    hint and gives up without it; and the config."""
     from spade_mega import inference
     from spade_mega.selfplay.loop import _Actor
 
@@ -62,12 +59,21 @@ def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Pat
     if strict_missing() is not None:
         overrides.append("sandbox.isolation=best-effort")
     cfg = load_config(TINY, overrides)
-    door = EnvProgram(DOOR, "Knock.", "arithmetic")  # the first skill: the one active
     engine = lambda cfg, tok: ScriptedSolverEngine(ChatTurns(PromptBuilder.from_config(cfg, tok)),  # noqa: E731
                                                    [SimpleNamespace(hint=door.hint, oracle=knock)],
                                                    {door.skill: [door]})
     monkeypatch.setattr(inference, "build_engine", engine)
-    actor = _Actor(cfg, tmp_path / "run")
+    return _Actor(cfg, tmp_path / "run"), cfg
+
+
+def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   tokenizer) -> None:
+    """Its hint plays win and its plays without the hint break: a regret of 1, the memory's best seed, while the
+    designer is paid the penalty for it and it leaves the environment set. The memory records it invalid (reason
+    program_error, as the solvability check's plays would), so no designer prompt shows it as an example (it stayed
+    valid and became the first seed)."""
+    door = EnvProgram(DOOR, "Knock.", "arithmetic")  # the first skill: the one active
+    actor, cfg = _actor(tmp_path, monkeypatch, door)
     try:
         _, metrics = actor.rollout(1)
         environments = list(actor.environments)
@@ -84,3 +90,32 @@ def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Pat
     assert (row.status, row.reason) == ("invalid", "program_error")
     assert row.regret == pytest.approx(1.0)  # what was measured stays recorded
     assert [s.content_hash for s in seeds] == []
+
+
+def test_a_resume_from_before_the_break_finds_the_program_valid_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     tokenizer) -> None:
+    """The door breaks only in rollout 2 (its reset seed), after rollout 1 found it valid: a run resumed from the
+    checkpoint of rollout 1 replays rollout 2 from the memory as it was then, the program valid (it stayed invalid:
+    the replay's designer prompts could differ from the uninterrupted run's)."""
+    from spade_mega.selfplay.state import derive_seed
+
+    cfg = load_config(TINY)
+    assert cfg.selfplay.regen_interval == 2  # rollout 2 plays rollout 1's set
+    second = derive_seed(cfg.run.seed, "reset", 2, 0)
+    reset = "    def reset(self, seed):\n"
+    source = DOOR.replace(reset, reset + "        self.seed = seed\n").replace(
+        "        if action == ", f"        if self.seed == {second} and action == ")
+    assert source.count("self.seed") == 2
+    door = EnvProgram(source, "Knock.", "arithmetic")
+    actor, _ = _actor(tmp_path, monkeypatch, door)
+    try:
+        _, first = actor.rollout(1)
+        _, broke = actor.rollout(2)
+        memory = actor.memory
+        assert (first["agent/failed_episodes"], broke["agent/failed_episodes"]) == (0, 2)
+        assert memory.get(door.content_hash).status == "invalid"
+        memory.discard_after(1)
+        record = memory.get(door.content_hash)
+        assert (record.status, record.reason, record.last_iteration) == ("valid", None, 1)
+    finally:
+        actor.close()

@@ -85,6 +85,16 @@ CREATE INDEX IF NOT EXISTS env_recent ON environments (last_iteration, id) WHERE
 CREATE INDEX IF NOT EXISTS env_ast ON environments (ast_hash);
 """
 
+# The verdict each later one replaced (set_validation with an iteration), for discard_after. Every writer creates it
+# when it opens the database, so that one written by an older spade-mega gets it too (a table added: it still reads).
+_VERDICTS = """
+CREATE TABLE IF NOT EXISTS verdicts (
+    env_id INTEGER NOT NULL REFERENCES environments(id),
+    iteration INTEGER NOT NULL,
+    prior_status TEXT NOT NULL,
+    prior_reason TEXT
+)"""
+
 # Every column but the MinHash signature: what records carry.
 _COLUMNS = ("id, content_hash, ast_hash, skill, source, hint, document_id, designer_iteration, policy_version, "
             "provenance, status, reason, proposals, duplicate_of, similarity, created_at, last_iteration, win_rate, "
@@ -198,6 +208,8 @@ class EnvMemory:
             self.conn.row_factory = sqlite3.Row
             if self._version() < SCHEMA_VERSION:
                 self._initialise(create)
+            if create:
+                self.conn.execute(_VERDICTS)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
             self.conn.execute("PRAGMA foreign_keys=ON")
@@ -368,11 +380,18 @@ class EnvMemory:
                 best = (content_hash, sim)
         return best
 
-    def set_validation(self, content_hash: str, valid: bool, reason: str | None = None) -> None:
-        """Record the validator's verdict (``reason``: its reason code when invalid)."""
+    def set_validation(self, content_hash: str, valid: bool, reason: str | None = None,
+                       iteration: int | None = None) -> None:
+        """Record the validator's verdict (``reason``: its reason code when invalid). With ``iteration`` (the loop's)
+        the verdict it replaces is kept, so that :meth:`discard_after` can restore it."""
+        v = _play_results(iteration=iteration) if iteration is not None else {}
         with self._write() as conn:
+            env_id = self._resolve(content_hash)
+            if v:
+                conn.execute("INSERT INTO verdicts (env_id, iteration, prior_status, prior_reason) "
+                             "SELECT id, ?, status, reason FROM environments WHERE id = ?", (v["iteration"], env_id))
             conn.execute("UPDATE environments SET status = ?, reason = ? WHERE id = ?",
-                         ("valid" if valid else "invalid", reason, self._resolve(content_hash)))
+                         ("valid" if valid else "invalid", reason, env_id))
 
     def record_evaluation(self, content_hash: str, iteration: int, win_rate: float, win_rate_hint: float,
                           plays: int, hint_plays: int, designer_reward: float | None = None,
@@ -406,10 +425,11 @@ class EnvMemory:
         replays them, and the database, unlike the checkpoint, cannot be rolled back to the save.
 
         Deletes their evaluations and the environments first proposed after it (their ``designer_iteration``),
-        then restores each remaining environment's latest-evaluation columns. Row ids of the deleted environments
-        are reused by the replay, so prompts built from the memory come out as in the uninterrupted run. Not undone:
-        the ``proposals`` count of an older environment proposed again after ``iteration`` (a statistic no prompt
-        reads). Returns the counts deleted."""
+        then restores each remaining environment's latest-evaluation columns and the verdict it had then (one given
+        later with its iteration: a program that broke in play, one proposed and judged again). Row ids of the
+        deleted environments are reused by the replay, so prompts built from the memory come out as in the
+        uninterrupted run. Not undone: the ``proposals`` count of an older environment proposed again after
+        ``iteration`` (a statistic no prompt reads). Returns the counts deleted."""
         v = _play_results(iteration=iteration)
         with self._write() as conn:
             touched = [r[0] for r in conn.execute("SELECT DISTINCT env_id FROM evaluations WHERE iteration > ?",
@@ -417,6 +437,14 @@ class EnvMemory:
             evaluations = conn.execute("DELETE FROM evaluations WHERE iteration > ?", (v["iteration"],)).rowcount
             doomed = [r[0] for r in conn.execute("SELECT id FROM environments WHERE designer_iteration > ?",
                                                  (v["iteration"],))]
+            # the first verdict given after it holds the one before
+            prior = conn.execute("SELECT env_id, prior_status, prior_reason FROM verdicts WHERE rowid IN "
+                                 "(SELECT MIN(rowid) FROM verdicts WHERE iteration > ? GROUP BY env_id)",
+                                 (v["iteration"],)).fetchall()
+            conn.execute("DELETE FROM verdicts WHERE iteration > ?", (v["iteration"],))
+            conn.executemany("UPDATE environments SET status = ?, reason = ? WHERE id = ?",
+                             [(status, reason, env_id) for env_id, status, reason in prior])
+            conn.executemany("DELETE FROM verdicts WHERE env_id = ?", [(i,) for i in doomed])
             conn.executemany("DELETE FROM evaluations WHERE env_id = ?", [(i,) for i in doomed])
             conn.executemany("DELETE FROM lsh WHERE env_id = ?", [(i,) for i in doomed])
             conn.executemany("DELETE FROM environments WHERE id = ?", [(i,) for i in doomed])

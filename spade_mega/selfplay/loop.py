@@ -297,7 +297,8 @@ class _Actor:
         for i, program in programs.items():
             report = outcomes[i].validation
             self.memory.set_validation(program.content_hash, outcomes[i].valid,
-                                       None if report is None or report.reason is None else report.reason.value)
+                                       None if report is None or report.reason is None else report.reason.value,
+                                       iteration=r)
         for i, outcome in enumerate(outcomes):
             seq = outcome.sequence
             sample = DesignerSample(
@@ -343,7 +344,7 @@ class _Actor:
             p = entry.program()
             chosen.append((i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i})))
         envs = []
-        for (i, program), report in zip(chosen, self._validated(chosen)):
+        for (i, program), report in zip(chosen, self._validated(chosen, r)):
             if report.ok:
                 envs.append(ActiveEnv(program, "library", i, r))
             else:
@@ -356,7 +357,7 @@ class _Actor:
         validator like a designer's; one that fails stops the run, naming its file."""
         chosen = [(i, EnvProgram(p.source, p.hint, p.skill, {**p.provenance, "iteration": r, "slot": i}))
                   for i, p in enumerate(self.fixed)]
-        for (i, program), report in zip(chosen, self._validated(chosen)):
+        for (i, program), report in zip(chosen, self._validated(chosen, r)):
             if not report.ok:
                 raise ConfigError(f"selfplay.environments[{i}].path",
                                   f"{program.provenance['path']} is not a valid environment program "
@@ -365,7 +366,7 @@ class _Actor:
         self.environments = [ActiveEnv(program, "fixed", i, r) for i, program in chosen]
         return {}
 
-    def _validated(self, chosen: Sequence[tuple[int, EnvProgram]]) -> list[Any]:
+    def _validated(self, chosen: Sequence[tuple[int, EnvProgram]], r: int) -> list[Any]:
         """The validator's reports of programs the designer did not write (library, fixed), which are proposed to the
         memory with their verdict. No solvability check: the library's programs are solved by their scripted oracles
         (tests/test_env_library_sandbox.py plays each to its target return), fixed ones are the user's choice."""
@@ -373,7 +374,7 @@ class _Actor:
         self.memory.propose_many(p for _, p in chosen)
         for (_, program), report in zip(chosen, reports):
             self.memory.set_validation(program.content_hash, report.ok,
-                                       None if report.reason is None else report.reason.value)
+                                       None if report.reason is None else report.reason.value, iteration=r)
         return reports
 
     def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
@@ -428,7 +429,7 @@ class _Actor:
                 # invalid, with the reason validation would have given: its plays stay recorded, but a program that
                 # breaks is no seed for the designer (one whose hint plays win has a high regret)
                 self.memory.set_validation(env.env_id, False,
-                                           (Reason.TIMEOUT if timed_out else Reason.PROGRAM_ERROR).value)
+                                           (Reason.TIMEOUT if timed_out else Reason.PROGRAM_ERROR).value, iteration=r)
             # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns
             mean_agent = _mean(agent) if agent else 0.0
             regret = (_mean(hint) if hint else mean_agent) - mean_agent

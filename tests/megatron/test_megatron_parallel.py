@@ -124,7 +124,8 @@ def test_a_step_with_non_finite_gradients_is_skipped_alike_on_every_rank(tmp_pat
     (four processes, each holding other parameters, expert buffers and optimizer shards): a step whose gradients
     overflow is skipped by every rank, none of which moves a weight, an Adam moment (its step count included), the
     schedule or the learning rate; the next finite step trains everywhere. The trainer's step counts the skipped one,
-    as Megatron-LM's iteration does (a rollout whose steps were all skipped saves under a checkpoint name of its own)."""
+    as Megatron-LM's iteration does (a rollout whose steps were all skipped saves under a checkpoint name of its
+    own)."""
     run_worker(4, "skip", tmp_path, "parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
                *FOUR_LAYERS, "optimizer.distributed=true")
     ranks = [read_json(tmp_path / f"skip_{rank}.json") for rank in range(4)]
