@@ -17,19 +17,23 @@ percentage equals its number with or without the sign, and its number / 100 agai
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``, inequalities,
 factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries
-(matched item against item), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``) and a root
-of a number of over ``MAX_ROOT_DIGITS`` digits: sympy evaluates powers and roots of rationals as it builds them, so
-the size is checked before; that is the bound on sympy's work (no timer: the same answers always give the same
-verdict).
+(matched item against item), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``, and with an
+irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a function of a number of over
+``MAX_DIGITS`` digits and a root of a number of over ``MAX_ROOT_DIGITS`` digits: sympy evaluates powers and roots of
+rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no timer: the same
+answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
-``DIGITS`` significant digits (``PRECISION`` digits computed) at three fixed points of their variables: an identity
-test, not a proof, with the chance of a false match far below any benchmark's resolution.
+``DIGITS`` significant digits (``PRECISION`` digits computed) at three fixed points of their variables, and their
+difference there is not provably non-zero (evalf finds no significant digit of it: ``e^{-200}`` is not 0, a 50-digit
+decimal is not ``\\pi``): an identity test, not a proof, with the chance of a false match far below any benchmark's
+resolution.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -283,7 +287,14 @@ class _Parser:
             argument = self.group_rest(self.take())
         else:
             argument = self.power()
-        value = getattr(sp, _FUNCTIONS[name])(argument) if base is None else sp.log(argument) / sp.log(_nonzero(base))
+        if name == "exp":  # e^x, bounded as every power is
+            value = _power(sp, sp.E, argument)
+        elif base is None:
+            if _size(sp, argument) > MAX_DIGITS:  # sin(e^{10^5}) reduces its argument modulo pi to 10^5 digits
+                raise Refused("a function of a number too large")
+            value = getattr(sp, _FUNCTIONS[name])(argument)
+        else:
+            value = sp.log(argument) / sp.log(_nonzero(base))
         return value if exponent is None else _power(sp, value, exponent)
 
 
@@ -313,7 +324,9 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
     """``base ** exponent``, refused when sympy could compute exact numbers of over MAX_DIGITS digits: it evaluates
     a rational to a rational power as it builds it, and distributes one over a product's rational parts
     (``(\\sqrt{2})^{10^9}`` is 2^{5 10^8}), so ``9^{9^{9^9}}`` would never return. The bound: the exponent times the
-    digits of the base's rationals (at least 1)."""
+    digits of the base's rationals (at least 1). Any other exponent (``2^{\\pi 10^9}``, ``e^{e^{e^9}}``) is kept
+    unevaluated, but the comparison's evalf needs it to as many digits as the value has: the same bound, on the
+    exponent's size times the base's digits (at least 1), at the identity test's points."""
     if base == 0 and exponent.is_number and exponent.is_negative:
         raise Refused("division by zero")
     if exponent.is_Rational and base not in (0, 1, -1):
@@ -322,7 +335,30 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
             raise Refused("a power too large")
         if not exponent.is_Integer and size > MAX_ROOT_DIGITS:
             raise Refused("a root of a number too large")  # sympy factors it looking for perfect powers
+    elif base not in (0, 1, -1):
+        if _size(sympy, exponent) + math.log10(max(1.0, abs(_size(sympy, base)))) > math.log10(MAX_DIGITS):
+            raise Refused("a power too large")
     return sympy.Pow(base, exponent)
+
+
+def _size(sympy: Any, value: Any) -> float:
+    """log10 of ``|value|``, the largest over the identity test's points (every assignment of their coordinates to
+    the variables, as the comparison may take any); inf when it cannot be evaluated (an infinity, over three
+    variables), -inf for 0. The parts of ``value`` passed these bounds, so this evaluation is quick."""
+    symbols = sorted(value.free_symbols, key=str)
+    if len(symbols) > len(POINTS[0]):
+        return math.inf
+    largest = -math.inf
+    for point in POINTS:
+        for coordinates in itertools.permutations(point, len(symbols)):
+            number = value.evalf(15, subs={s: sympy.Float(c) for s, c in zip(symbols, coordinates)})
+            if not (number.is_number and number.is_finite):
+                return math.inf
+            if number != 0:
+                largest = max(largest, float(sympy.log(abs(number), 10).evalf(15)))
+        if not symbols:
+            break
+    return largest
 
 
 def expression(text: str) -> Any:
@@ -457,6 +493,21 @@ def _matched(xs: Sequence[Answer], ys: Sequence[Answer]) -> bool:
     return True
 
 
+def _nonzero_at(sympy: Any, difference: Any, values: dict[Any, Any]) -> bool:
+    """Whether ``difference`` at ``values`` is provably not 0: sympy's evalf finds PRECISION significant digits of it
+    (raising its working precision as terms cancel), where an identity's terms cancel to every digit it tries. This
+    keeps the tolerance above from taking a tiny value for 0 (``e^{-200}``), or a 50-digit decimal for ``\\pi``: the
+    precision it tries is twice PRECISION past the digits of every rational in the answer (a decimal, a power)."""
+    from sympy.core.evalf import PrecisionExhausted
+
+    digits = sum(_digits(r) for r in difference.atoms(sympy.Rational))
+    try:
+        value = difference.evalf(PRECISION, subs=values, strict=True, maxn=int(2 * PRECISION + digits))
+    except PrecisionExhausted:
+        return False  # the terms cancel to every digit tried: 0 as far as evaluation can tell
+    return bool(value != 0)
+
+
 def _equal(a: Any, b: Any) -> bool:
     """Exact when the difference is rational; else the identity test at POINTS (module docstring)."""
     import sympy
@@ -479,7 +530,7 @@ def _equal(a: Any, b: Any) -> bool:
             x, y = a.evalf(PRECISION, subs=values), b.evalf(PRECISION, subs=values)
             if not (x.is_number and y.is_number and x.is_finite and y.is_finite):
                 continue  # a pole, or a value sympy cannot evaluate: this point tells nothing
-            if abs(x - y) > tolerance * max(1, abs(x), abs(y)):
+            if abs(x - y) > tolerance * max(1, abs(x), abs(y)) or _nonzero_at(sympy, difference, values):
                 return False
             tested += 1
         return tested > 0
