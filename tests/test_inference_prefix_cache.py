@@ -265,5 +265,9 @@ def test_prefix_cache_mb_is_a_checked_setting(cfg):
     assert build_engine(off, byte_tokenizer()).prefix_cache is None
     with pytest.raises(ConfigError, match="inference.prefix_cache_mb: must be >= 0"):
         load_config(CONFIG, ["inference.prefix_cache_mb=-1"])
-    with pytest.raises(EngineError, match="prefix_cache_mb must be >= 0"):
-        make_engine(cfg, float("nan"))
+    with pytest.raises(ConfigError, match="inference.prefix_cache_mb: expected a finite float, got inf"):
+        load_config(CONFIG, ["inference.prefix_cache_mb=.inf"])
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(EngineError, match="prefix_cache_mb must be a finite number >= 0"):
+            make_engine(cfg, bad)
+    assert len(make_engine(cfg, 1e-9).generate([GenerationRequest(tokens(40, 0), SamplingParams(1))])) == 1

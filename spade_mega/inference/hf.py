@@ -90,9 +90,10 @@ class HFEngine:
         for name, value in (("max_batch_size", max_batch_size), ("prefill_tokens", prefill_tokens)):
             if value < 1:
                 raise EngineError(f"{name} must be >= 1, got {value}")
-        if not prefix_cache_mb >= 0:
-            raise EngineError(f"prefix_cache_mb must be >= 0 (0: no prefix cache), got {prefix_cache_mb}")
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        if not 0 <= prefix_cache_mb < float("inf"):
+            raise EngineError(f"prefix_cache_mb must be a finite number >= 0 (0: no prefix cache), got "
+                              f"{prefix_cache_mb}")
+        self.prefix_cache = PrefixCache(max(1, int(prefix_cache_mb * 2**20))) if prefix_cache_mb > 0 else None
         model = resolve_model_config(model)
         self.vocab_size = model.vocab_size
         self.max_positions = model.max_position_embeddings
