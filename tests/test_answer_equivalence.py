@@ -35,6 +35,7 @@ SAME = [  # (answer the model boxed, reference)
     ("(x+1)^2", "x^2+2x+1"),
     ("\\frac{x}{7}+\\frac{2}{7}", "\\frac{x+2}{7}"),
     ("y = 2x + 1", "2x+1"),  # "y =" before the value
+    ("x=5", "x = 5"),
     ("x + y = 1", "1 - x - y = 0"),  # equations: lhs - rhs up to sign
     ("\\sin^2 \\theta + \\cos^2 \\theta", "1"),
     ("\\log_2 8", "3"),
@@ -71,6 +72,9 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("\\frac{\\pi}{2}", "\\frac{\\pi}{3}"),
     ("y = 2x + 1", "y = 2x - 1"),
     ("x + y = 1", "x - y = 1"),
+    ("x = 3", "y = 3"),  # "x =" is formatting against a bare value, not against another variable (asymptotes)
+    ("y=-2", "x=-2"),
+    ("y = 2t + 1", "x = 2t + 1"),
     ("\\text{east}", "\\text{seat}"),  # words are no products of variables: anagrams differ
     ("\\text{no}", "\\text{on}"),
     ("odd", "dod"),

@@ -9,7 +9,8 @@ completion and *compares* it with the reference answer.
   rational numbers when both read as one (``1,000`` = ``1000``, ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``;
   a comma followed by a space separates list entries, so ``1, 234`` is no number; around a number, ``x =``, ``\\$``,
   ``\\%``, ``^\\circ`` and a trailing unit in ``\\text{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are formatting, MATH's
-  answers drop them, except that two different units never match: ``5\\text{ cm}`` is not ``5\\text{ m}``); as text
+  answers drop them, except that two different units or variables never match: ``5\\text{ cm}`` is not
+  ``5\\text{ m}``, ``x = 3`` not ``y = 3``); as text
   after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop); else
   symbolically (``symbolic.py``: ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, tuples element by element, never
   ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its boxed answer.
@@ -182,27 +183,30 @@ def as_number(answer: str) -> Optional[Fraction]:
     return value
 
 
-def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str]]:
-    """An answer that is one number with at most the formatting the module docstring lists: (number, unit or "")."""
+def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
+    """An answer that is one number with at most the formatting the module docstring lists: (number, unit or "",
+    the letter of a leading ``x=`` or "")."""
     if _LIST_COMMA.search(answer):
         return None
     unit = _UNIT.search(answer)
     if unit is not None and (unit.start() == 0 or unit.group(1) in _CONSTANTS):
         unit = None
     text = answer[:unit.start()] if unit is not None else answer
-    text = _VARIABLE.sub("", normalise(text.replace("\\$", "")))
+    text = normalise(text.replace("\\$", ""))
+    variable = text[0] if _VARIABLE.match(text) else ""
+    text = _VARIABLE.sub("", text)
     for suffix in _SUFFIXES:
         text = text.removesuffix(suffix)
     value = as_number(text)
-    return None if value is None else (value, unit.group(1) if unit is not None else "")
+    return None if value is None else (value, unit.group(1) if unit is not None else "", variable)
 
 
 def _same_maths(predicted: str, reference: str) -> bool:
     reference = last_boxed(reference) or reference  # a worked solution (MATH's solution field): its boxed answer
     x, y = _number_and_unit(predicted), _number_and_unit(reference)
     if x is not None and y is not None:
-        if x[1] and y[1] and x[1] != y[1]:
-            return False  # 5 cm is not 5 m
+        if (x[1] and y[1] and x[1] != y[1]) or (x[2] and y[2] and x[2] != y[2]):
+            return False  # 5 cm is not 5 m, the line x = 3 not y = 3
         if x[0] == y[0]:
             return True
     if normalise(predicted) == normalise(reference):

@@ -10,9 +10,10 @@ as in LaTeX), ``\\frac`` / ``\\dfrac`` / ``\\tfrac`` (``\\frac12`` too), ``\\sqr
 letters as variables (``x_1`` too), parentheses, brackets and braces as grouping. Around it: a tuple or interval
 ``(a, b]`` (brackets must match, compared element by element), a set ``\\{a, b\\}`` or a bare list ``a, b``
 (compared as sets, in any order), a union ``A \\cup B``, an equation ``y = 2x + 1`` (``x =`` before a value is
-dropped; two equations are the same when their ``lhs - rhs`` agree up to sign), a trailing percent sign (a
-percentage equals its number with or without the sign, and its number / 100 against a side without one), degrees
-(``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match).
+dropped, but ``x = 3`` is not ``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to sign), a
+trailing percent sign (a percentage equals its number with or without the sign, and its number / 100 against a side
+without one), degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never
+match).
 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``, inequalities,
@@ -36,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is compared as text
@@ -371,7 +372,8 @@ def expression(text: str) -> Any:
 @dataclass(frozen=True)
 class Answer:
     """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``), eq
-    (``value`` is lhs - rhs); ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or ""."""
+    (``value`` is lhs - rhs); ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or "";
+    ``variable`` the letter of a leading ``x =``, or "" (``x = 3`` is 3, but not ``y = 3``)."""
 
     kind: str
     value: Any = None
@@ -379,6 +381,7 @@ class Answer:
     brackets: str = ""
     percent: bool = False
     unit: str = ""
+    variable: str = ""
 
 
 _UNIT = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
@@ -409,8 +412,10 @@ def _answer(raw: str, top: bool = False) -> Answer:
     text = _DEGREES.sub("", text).strip()
     percent = _PERCENT.search(text) is not None
     text = _PERCENT.sub("", text).strip()
-    if top and "=" not in _VARIABLE.sub("", text):  # "x = 5" is 5; "x = y = 5" is refused below
-        text = _VARIABLE.sub("", text).strip()
+    named = _VARIABLE.match(text) if top else None
+    if named is not None and "=" not in text[named.end():]:  # "x = 5" is 5; "x = y = 5" is refused below
+        value = _answer(text[named.end():].strip())
+        return replace(value, percent=value.percent or percent, unit=value.unit or unit, variable=text[0])
     if not text:
         raise Refused("empty")
     union = _top_level(text, "\\cup")
@@ -463,8 +468,8 @@ def equivalent(predicted: str, reference: str) -> bool:
 
 
 def _same(a: Answer, b: Answer) -> bool:
-    if a.unit and b.unit and a.unit != b.unit:
-        return False
+    if (a.unit and b.unit and a.unit != b.unit) or (a.variable and b.variable and a.variable != b.variable):
+        return False  # 5 cm is not 5 m, the line x = 3 not y = 3
     if a.kind != b.kind:
         return False
     if a.kind == "expr":
