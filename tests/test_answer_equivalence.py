@@ -113,6 +113,7 @@ HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3, -5, 1", "3, -5", False),
     ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", None, False),
     ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", "C", True),
+    ("choice", "\\boxed{A}. Hmm, no: \\boxed{B", "A", None, False),  # the last box was cut off: no answer, as boxed
     ("choice", "Reply with \\boxed{} holding a letter. \\boxed{B}", "B", "B", True),
     ("exact", "\\boxed{Paris} or \\boxed{Lyon}", "Lyon", None, False),
     ("exact", "\\boxed{Paris}, so: \\boxed{ Paris }", "Paris", " Paris ", True),

@@ -16,8 +16,8 @@ completion and *compares* it with the reference answer.
   ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
-  hedge, ``A or B``, nor do two different boxed letters), or a reply that is just the letter (``(C)``); compared with
-  the reference letter.
+  hedge, ``A or B``, nor do two different boxed letters, nor a reply whose last box was cut off), or a reply that is
+  just the letter (``(C)``); compared with the reference letter.
 - ``exact``: the boxed or ``Answer:`` answer (none for a hedge; else the whole reply), normalised, compared as text.
 
 A completion without an extractable answer scores 0, like a wrong one. The fourth scorer, ``code``, runs programs
@@ -218,7 +218,10 @@ def _same_maths(predicted: str, reference: str) -> bool:
 
 def choice_letter(text: str) -> Optional[str]:
     """The answer letter a reply ends on (see the module docstring); None if it names none."""
-    boxes = [box for box in boxed_answers(text) if box is not None]
+    found = boxed_answers(text)
+    if found and found[-1] is None:
+        return None  # its last box was cut off: the letter it ends on is unknown (the boxed scorer reads none either)
+    boxes = [box for box in found if box is not None]  # only the last could be None
     letters = {m.group(1) for m in (_CHOICE.fullmatch(normalise(box).upper()) for box in boxes) if m}
     if len(letters) > 1:
         return None  # \boxed{A} ... \boxed{C} is a hedge, as "A or B" is
