@@ -271,3 +271,55 @@ def test_prefix_cache_mb_is_a_checked_setting(cfg):
         with pytest.raises(EngineError, match="prefix_cache_mb must be a finite number >= 0"):
             make_engine(cfg, bad)
     assert len(make_engine(cfg, 1e-9).generate([GenerationRequest(tokens(40, 0), SamplingParams(1))])) == 1
+
+
+def test_clearing_the_cache_makes_the_next_call_what_a_fresh_engine_generates_bit_for_bit(cfg):
+    """What the cache holds changes a prompt's keys and values in the last bits (a prefix forwarded within a longer
+    sequence, in another batch, or one decode step at a time), so a resumed run, whose engine starts empty, plays
+    what the straight run played only if the straight run's cache was empty at the same point too. After
+    clear_prefix_cache the engine generates exactly (not within 1e-5) what a new engine with the same weights does."""
+    start = tokens(60, 1)
+    used, fresh = make_engine(cfg, 64), make_engine(cfg, 64)
+    used.generate([GenerationRequest(start + tokens(30, 2), SamplingParams(max_new_tokens=8, seed=1))])  # an eval
+    used.clear_prefix_cache()
+    assert len(used.prefix_cache) == 0 and used.prefix_cache.nbytes == 0
+    requests = [GenerationRequest(start + tokens(40 - 15 * i, 3 + i), SamplingParams(max_new_tokens=8, seed=5 + i))
+                for i in range(2)]
+    assert used.generate(requests) == fresh.generate(requests)
+    make_engine(cfg, 0).clear_prefix_cache()  # no cache: nothing to clear
+
+
+@pytest.mark.multiproc
+def test_every_rollout_starts_from_an_empty_prefix_cache(cfg, tmp_path, monkeypatch):
+    """The straight run evaluates after saving a checkpoint, and its evaluation's sequences (agent prompts like the
+    rollout's) stayed in the cache into the next rollout, while a run resumed from that checkpoint starts it with an
+    empty one: its log-probs, and so its training, differed in the last bits from the straight run's (which
+    tests/test_selfplay.py requires to be bitwise the same; its resumed run happens to re-evaluate first, so it did
+    not see it). Real actor and hf engine; the rollout is stopped at its first generate call."""
+    from sandbox_support import strict_missing
+
+    from spade_mega.selfplay.loop import _Actor
+
+    overrides = [f"run.output_dir={tmp_path}", "inference.device=cpu"]
+    if strict_missing() is not None:
+        overrides.append("sandbox.isolation=best-effort")
+    actor = _Actor(load_config(CONFIG, overrides), tmp_path / "run")
+
+    class Stopped(BaseException):
+        pass
+
+    held: list[int] = []
+
+    def first_call(requests):
+        held.append(len(actor.engine.prefix_cache))
+        raise Stopped
+
+    try:
+        actor.engine.generate([GenerationRequest(tokens(40, 1), SamplingParams(max_new_tokens=4, seed=1))])
+        assert len(actor.engine.prefix_cache) == 1  # what an evaluation leaves behind
+        monkeypatch.setattr(actor.engine, "generate", first_call)
+        with pytest.raises(Stopped):
+            actor.rollout(1)
+    finally:
+        actor.close()
+    assert held == [0]

@@ -164,8 +164,7 @@ class HFEngine:
         later update succeeds; the version advances only on success. The prefix cache is cleared first: whatever
         the outcome, the keys and values in it were computed by the weights being replaced."""
         params = self._params()
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        self.clear_prefix_cache()
         missing = set(self._targets)
         started = False
         try:
@@ -199,6 +198,14 @@ class HFEngine:
             raise
         self._inconsistent = None
         self._version = version
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached sequence. Besides new weights (stale keys), a caller whose results must not depend
+        on earlier calls clears it: a prefix taken from the cache was computed in another forward (a longer sequence,
+        another batch, decode steps), so its keys, and the log-probs after it, differ from a fresh prefill's in the
+        last bits (the loop does at every rollout: a resumed run starts with an empty cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # --------------------------------------------------------------- generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -421,8 +428,7 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+        self.clear_prefix_cache()
 
 
 class _PreallocatedLayer(DynamicLayer):

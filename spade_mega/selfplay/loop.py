@@ -230,6 +230,11 @@ class _Actor:
     def rollout(self, r: int) -> tuple[list[TrainSample], dict[str, float]]:
         """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
         metrics: dict[str, float] = {}
+        # from an empty prefix cache, as a run resumed before it starts: an evaluation after the last checkpoint left
+        # its sequences there, and a prefix taken from them changes the rollout's log-probs in the last bits
+        forget = getattr(self.engine, "clear_prefix_cache", None)  # the hf engine (servers promise no bitwise replay)
+        if forget is not None:
+            forget()
         self.transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
         if (r - 1) % self.cfg.selfplay.regen_interval == 0 or self.set_stale:
             started = time.perf_counter()
