@@ -290,36 +290,37 @@ def test_clearing_the_cache_makes_the_next_call_what_a_fresh_engine_generates_bi
 
 
 @pytest.mark.multiproc
-def test_every_rollout_starts_from_an_empty_prefix_cache(cfg, tmp_path, monkeypatch):
+def test_every_rollout_starts_and_ends_with_an_empty_prefix_cache(cfg, tmp_path):
     """The straight run evaluates after saving a checkpoint, and its evaluation's sequences (agent prompts like the
     rollout's) stayed in the cache into the next rollout, while a run resumed from that checkpoint starts it with an
     empty one: its log-probs, and so its training, differed in the last bits from the straight run's (which
     tests/test_selfplay.py requires to be bitwise the same; its resumed run happens to re-evaluate first, so it did
-    not see it). Real actor and hf engine; the rollout is stopped at its first generate call."""
+    not see it). After the rollout the trainer steps, on the same GPU for an hf engine there: the rollout's entries,
+    never used again (the sync would clear them), are freed first. Real actor, hf engine and sandbox, one small
+    rollout of the tiny model."""
     from sandbox_support import strict_missing
 
     from spade_mega.selfplay.loop import _Actor
 
-    overrides = [f"run.output_dir={tmp_path}", "inference.device=cpu"]
+    overrides = [f"run.output_dir={tmp_path}", "inference.device=cpu", "rollout.envs_per_rollout=1",
+                 "rollout.agent_trajectories_per_env=2", "rollout.hint_plays_per_env=1", "rollout.max_turns=2",
+                 "rollout.max_response_tokens=8", "rollout.max_designer_tokens=24", "curriculum.corpus.token_budget=64"]
     if strict_missing() is not None:
         overrides.append("sandbox.isolation=best-effort")
     actor = _Actor(load_config(CONFIG, overrides), tmp_path / "run")
+    engine, held = actor.engine, []
+    generate = engine.generate
 
-    class Stopped(BaseException):
-        pass
-
-    held: list[int] = []
-
-    def first_call(requests):
-        held.append(len(actor.engine.prefix_cache))
-        raise Stopped
+    def recording(requests):
+        held.append(len(engine.prefix_cache))
+        return generate(requests)
 
     try:
-        actor.engine.generate([GenerationRequest(tokens(40, 1), SamplingParams(max_new_tokens=4, seed=1))])
-        assert len(actor.engine.prefix_cache) == 1  # what an evaluation leaves behind
-        monkeypatch.setattr(actor.engine, "generate", first_call)
-        with pytest.raises(Stopped):
-            actor.rollout(1)
+        engine.generate([GenerationRequest(tokens(40, 1), SamplingParams(max_new_tokens=4, seed=1))])
+        assert len(engine.prefix_cache) == 1  # what an evaluation leaves behind
+        engine.generate = recording
+        _, metrics = actor.rollout(1)
+        assert len(engine.prefix_cache) == 0 and engine.prefix_cache.nbytes == 0
     finally:
         actor.close()
-    assert held == [0]
+    assert metrics["agent/episodes"] > 0 and held[0] == 0 and max(held) > 0  # used within the rollout

@@ -230,11 +230,7 @@ class _Actor:
     def rollout(self, r: int) -> tuple[list[TrainSample], dict[str, float]]:
         """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
         metrics: dict[str, float] = {}
-        # from an empty prefix cache, as a run resumed before it starts: an evaluation after the last checkpoint left
-        # its sequences there, and a prefix taken from them changes the rollout's log-probs in the last bits
-        forget = getattr(self.engine, "clear_prefix_cache", None)  # the hf engine (servers promise no bitwise replay)
-        if forget is not None:
-            forget()
+        self.clear_prefix_cache()
         self.transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
         if (r - 1) % self.cfg.selfplay.regen_interval == 0 or self.set_stale:
             started = time.perf_counter()
@@ -259,11 +255,21 @@ class _Actor:
         metrics["envs/fixed"] = float(sum(e.origin == "fixed" for e in self.environments))
         metrics["designer/pending"] = float(len(self.buffer))
         metrics["memory/environments"] = float(len(self.memory))
+        self.clear_prefix_cache()
         if self.releases_memory:  # the trainer steps next on the same GPUs; every rank waits for this rollout
             started = time.perf_counter()
             self.engine.release_memory()
             metrics["time/engine_release_s"] = time.perf_counter() - started
         return samples, metrics
+
+    def clear_prefix_cache(self) -> None:
+        """Empty the hf engine's prefix cache (servers promise no bitwise replay) around a rollout. Before it: an
+        evaluation after the last checkpoint left its sequences there, a run resumed from that checkpoint has none,
+        and a prefix taken from them changes the rollout's log-probs in the last bits. After it: the trainer steps
+        next (on the same GPU) and the weight sync would drop them anyway."""
+        clear = getattr(self.engine, "clear_prefix_cache", None)
+        if clear is not None:
+            clear()
 
     def trained(self, updated: Sequence[bool]) -> None:
         """The rollout's transcript, once its training is known (``updated[k]``: whether the optimizer step that held
