@@ -45,6 +45,7 @@ SAME = [  # (answer the model boxed, reference)
     ("2\\sqrt{2}\\text{ cm}", "\\sqrt{8}"),
     ("\\$1{,}000", "1000"),
     ("10,\\!000", "10^4"),
+    ("9^{4000} 9^{4000} (\\sqrt{2} + 1)^2", "(3 + 2\\sqrt{2}) 9^{8000}"),  # terms cancelling past a 7634-digit factor
 ]
 
 DIFFERENT = [  # (answer, reference): not the same value

@@ -502,13 +502,14 @@ def _nonzero_at(sympy: Any, difference: Any, values: dict[Any, Any]) -> bool:
     """Whether ``difference`` at ``values`` is provably not 0: sympy's evalf finds PRECISION significant digits of it
     (raising its working precision as terms cancel), where an identity's terms cancel to every digit it tries. This
     keeps the tolerance above from taking a tiny value for 0 (``e^{-200}``), or a 50-digit decimal for ``\\pi``: the
-    precision it tries is twice PRECISION past the digits of every rational in the answer (a decimal, a power)."""
+    precision it tries is twice PRECISION past the digits of the rationals in the answer (a decimal, a power), those
+    counted up to MAX_CHARS (a decimal has no more; a huge integer factor, 9^{4000}, scales both sides alike)."""
     from sympy.core.evalf import PrecisionExhausted
 
-    digits = sum(_digits(r) for r in difference.atoms(sympy.Rational))
+    digits = min(sum(_digits(r) for r in difference.atoms(sympy.Rational)), MAX_CHARS)
     try:
         value = difference.evalf(PRECISION, subs=values, strict=True, maxn=int(2 * PRECISION + digits))
-    except PrecisionExhausted:
+    except (PrecisionExhausted, ValueError):  # ValueError: sympy printing a huge integer into PrecisionExhausted's text
         return False  # the terms cancel to every digit tried: 0 as far as evaluation can tell
     return bool(value != 0)
 
