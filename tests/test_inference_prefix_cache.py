@@ -227,6 +227,23 @@ def test_the_cache_stays_within_its_budget_evicting_the_least_recently_used(cfg)
     assert len(tiny.prefix_cache) == 0 and tiny.prefix_cache.nbytes == 0
 
 
+def test_a_sequence_the_cache_cannot_keep_is_not_copied(cfg, monkeypatch):
+    """A finished row's keys and values are copied out of the batch's cache only when the prefix cache will keep
+    them: a long answer (an evaluation's 30k tokens: ~3 GB on a 30B-A3B model) larger than the budget was copied
+    whole, on the engine's device, next to the batch's cache, then dropped. Short sequences (under a block) alike."""
+    per_token = 2 * cfg.model.num_layers * cfg.model.num_query_groups * cfg.model.kv_channels * 4  # float32 K and V
+    copies: list[int] = []
+    row_states = hf_module._PreallocatedCache.row_states
+    monkeypatch.setattr(hf_module._PreallocatedCache, "row_states",
+                        lambda self, *args: copies.append(1) or row_states(self, *args))
+    tiny = make_engine(cfg, 100 * per_token / 2**20)  # room for 100 tokens
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    tiny.generate([GenerationRequest(tokens(170, 1), greedy), GenerationRequest(tokens(8, 2), greedy)])
+    assert copies == [] and len(tiny.prefix_cache) == 0
+    tiny.generate([GenerationRequest(tokens(60, 3), greedy)])
+    assert copies == [1] and len(tiny.prefix_cache) == 1  # one that fits: copied and kept
+
+
 def _kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.full((2, n, 4), float(n)), torch.full((2, n, 4), -float(n)))]
 

@@ -300,7 +300,8 @@ class HFEngine:
                 elif len(outputs[i]) < sampling[i].max_new_tokens:
                     keep.append(row)
                     continue
-                if self.prefix_cache is not None:  # the cache holds every token but the one just sampled
+                kept = len(requests[i].prompt_ids) + len(outputs[i]) - 1  # every token but the one just sampled
+                if self.prefix_cache is not None and self.prefix_cache.keeps(kept, cache.row_bytes(kept)):
                     self.prefix_cache.store(requests[i].prompt_ids + tuple(outputs[i][:-1]),
                                             cache.row_states(row, int(starts[row])), replaces=reused[i][0])
             if not keep:
@@ -495,6 +496,10 @@ class _PreallocatedCache(Cache):
                     buffer[row, :, end - tensor.shape[1]:end].copy_(tensor)
             layer.length = end
             layer.keys, layer.values = (buffer[:, :, :end] for buffer in layer.buffers)
+
+    def row_bytes(self, columns: int) -> int:
+        """Bytes of one row's keys and values over ``columns`` columns, every layer."""
+        return sum(buffer[0, :, :columns].nbytes for layer in self.layers for buffer in layer.buffers)
 
     def row_states(self, row: int, start: int, end: Optional[int] = None) -> list[LayerKV]:
         """Copies of row ``row``'s keys and values from column ``start`` to ``end`` (the last one filled), per

@@ -112,7 +112,7 @@ class PrefixCache:
             raise ValueError(f"PrefixCache.store: keys and values for {[k.shape[1] for k, _ in layers]} tokens given "
                              f"for a sequence of {len(ids)}")
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        if len(ids) < self.block or nbytes > self.budget_bytes:
+        if not self.keeps(len(ids), nbytes):
             return
         array = np.asarray(ids, dtype=np.int64)
         if replaces is not None and len(replaces.ids) <= len(array) and \
@@ -127,6 +127,11 @@ class PrefixCache:
         for h in entry.hashes:
             self._index.setdefault(h, set()).add(entry.key)
         self.nbytes += nbytes
+
+    def keeps(self, tokens: int, nbytes: int) -> bool:
+        """Whether :meth:`store` would keep a sequence of ``tokens`` tokens whose keys and values take ``nbytes``
+        (asked before copying them out of a batch: a long answer's can be gigabytes)."""
+        return tokens >= self.block and nbytes <= self.budget_bytes
 
     def _remove(self, key: int) -> None:
         if key not in self._entries:  # already evicted
