@@ -76,6 +76,7 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x = 3", "y = 3"),  # "x =" is formatting against a bare value, not against another variable (asymptotes)
     ("y=-2", "x=-2"),
     ("y = 2t + 1", "x = 2t + 1"),
+    ("12, 345", "12,345"),  # a list of two numbers is not a number with a thousands comma (as text neither)
     ("\\text{east}", "\\text{seat}"),  # words are no products of variables: anagrams differ
     ("\\text{no}", "\\text{on}"),
     ("odd", "dod"),
@@ -112,6 +113,7 @@ HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "-5, 3", "3, -5", True),
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3", "3, -5", False),
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3, -5, 1", "3, -5", False),
+    ("boxed", "\\boxed{12} or \\boxed{345}", "12,345", "12, 345", False),  # two boxes are no thousands number
     ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", None, False),
     ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", "C", True),
     ("choice", "\\boxed{A}. Hmm, no: \\boxed{B", "A", None, False),  # the last box was cut off: no answer, as boxed

@@ -209,8 +209,10 @@ def _same_maths(predicted: str, reference: str) -> bool:
             return False  # 5 cm is not 5 m, the line x = 3 not y = 3
         if x[0] == y[0]:
             return True
-    if normalise(predicted) == normalise(reference):
-        return True
+    text = normalise(predicted)
+    if text == normalise(reference) and not (_THOUSANDS.fullmatch(text) and bool(_LIST_COMMA.search(predicted)) !=
+                                             bool(_LIST_COMMA.search(reference))):
+        return True  # the same text; but normalised, the list "12, 345" reads as the number 12,345
     from spade_mega.evaluation.symbolic import equivalent  # sympy is imported on first use
 
     return equivalent(predicted, reference)
