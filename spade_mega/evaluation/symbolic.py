@@ -51,6 +51,7 @@ POINTS = ((0.5377, -1.3077, 2.7694), (1.8339, 0.3426, -0.4336), (-2.2588, 3.5784
 
 _FUNCTIONS = {"sin": "sin", "cos": "cos", "tan": "tan", "cot": "cot", "sec": "sec", "csc": "csc", "ln": "log",
               "log": "log", "exp": "exp", "arcsin": "asin", "arccos": "acos", "arctan": "atan"}
+_PERIODIC = {"sin", "cos", "tan", "cot", "sec", "csc"}  # evaluated by reducing the argument modulo pi
 _GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
           "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi",
           "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
@@ -291,8 +292,8 @@ class _Parser:
         if name == "exp":  # e^x, bounded as every power is
             value = _power(sp, sp.E, argument)
         elif base is None:
-            if _size(sp, argument) > MAX_DIGITS:  # sin(e^{10^5}) reduces its argument modulo pi to 10^5 digits
-                raise Refused("a function of a number too large")
+            if name in _PERIODIC and _may_be_large(sp, argument) and _size(sp, argument) > MAX_DIGITS:
+                raise Refused("a function of a number too large")  # sin(e^{10^5}) reduces it modulo pi to 10^5 digits
             value = getattr(sp, _FUNCTIONS[name])(argument)
         else:
             value = sp.log(argument) / sp.log(_nonzero(base))
@@ -340,6 +341,12 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
         if _size(sympy, exponent) + math.log10(max(1.0, abs(_size(sympy, base)))) > math.log10(MAX_DIGITS):
             raise Refused("a power too large")
     return sympy.Pow(base, exponent)
+
+
+def _may_be_large(sympy: Any, value: Any) -> bool:
+    """Whether ``value`` holds a power or an integer of over 15 digits: only then can it exceed MAX_DIGITS digits
+    (and _size, evaluating it, is spared for the rest: nested ``\\sin`` would cost it quadratic time)."""
+    return value.has(sympy.Pow, sympy.exp) or any(_digits(r) > 15 for r in value.atoms(sympy.Rational))
 
 
 def _size(sympy: Any, value: Any) -> float:
