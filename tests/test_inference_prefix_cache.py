@@ -157,6 +157,9 @@ def test_prompts_of_one_batch_forward_the_start_they_share_once(cfg):
     assert_same(cached.generate(requests), plain.generate(requests))
     assert sorted(forwarded) == [(1, 121), (2, 149), (6, 40)]  # the unrelated prompt; the starts; what follows them
     assert cached.prefix_cache.stats.reused_tokens == 4 * 149 + 2 * 100
+    # of which the starts' 249 were forwarded by this call: the prompts' 991 tokens, 547 not forwarded
+    stats = cached.prefix_cache.stats
+    assert (stats.lookups, stats.prompt_tokens, stats.shared_tokens) == (7, sum(map(len, prompts)), 149 + 100)
     again = [GenerationRequest(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts[3:]]
     assert_same(cached.generate(again), plain.generate(again))  # the starts are cached now: nothing to share
 

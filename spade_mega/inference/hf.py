@@ -351,7 +351,8 @@ class HFEngine:
             if n >= cache.block and cache.peek(a[:n + 1])[1] < n:
                 shared.add(a[:n])
         starts = sorted(shared)
-        reused = [cache.match(start) for start in starts]
+        reused = [cache.peek(start) for start in starts]  # not prompts: their tokens count when prompts take them
+        cache.stats.shared_tokens += sum(len(start) - m for start, (_, m) in zip(starts, reused))
         for bucket, _, prefill, columns in self._prefill_buckets(model, starts, reused):
             for row, (i, column) in enumerate(zip(bucket, columns)):
                 cache.store(starts[i], prefill.row_states(row, column, column + len(starts[i])),

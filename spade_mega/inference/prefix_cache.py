@@ -39,12 +39,15 @@ class CachedSequence:
 
 @dataclass
 class PrefixCacheStats:
-    """What the cache saved: ``reused_tokens`` of ``prompt_tokens`` came from it instead of a prefill."""
+    """What the cache saved: ``reused_tokens`` of ``prompt_tokens`` came from it instead of a prefill, of which
+    ``shared_tokens`` were forwarded into it by the same call (a start its prompts share, forwarded once): the prefill
+    saved is ``reused_tokens - shared_tokens``."""
 
     lookups: int = 0
     hits: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    shared_tokens: int = 0
     evictions: int = 0
 
 

@@ -87,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                 cache = variant_engine.prefix_cache
                 if cache is not None:  # a rollout starts after a weight update, which empties the cache
                     cache.clear()
-                reused = cache.stats.reused_tokens if cache is not None else 0
+                # prompt tokens not forwarded: taken from the cache, less the shared starts forwarded into it
+                reused = cache.stats.reused_tokens - cache.stats.shared_tokens if cache is not None else 0
                 start = time.perf_counter()
                 batch = rollout.play(plays)
                 wall = time.perf_counter() - start
                 s = batch.stats
-                reused = (cache.stats.reused_tokens if cache is not None else 0) - reused
+                reused = (cache.stats.reused_tokens - cache.stats.shared_tokens if cache is not None else 0) - reused
                 turns = sum(ep.turns for ep in batch.episodes)
                 sequences[name] = [ep.sequence.token_ids for ep in batch.episodes]
                 if name not in best or wall < best[name][0]:
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({turns} turns, {s.engine_calls} engine calls) | wall {wall:6.2f} s = engine "
                       f"{s.generation_s:6.2f} + sandbox {s.sandbox_s:5.2f} + rest "
                       f"{wall - s.generation_s - s.sandbox_s:5.2f} | prompt tokens {s.prompt_tokens}, "
-                      f"{reused} from the prefix cache")
+                      f"{reused} not forwarded (prefix cache)")
     (fast, fast_tokens, fast_engine), (slow, slow_tokens, slow_engine) = (best[name] for name, _, _ in variants)
     print(f"ratio lockstep / {variants[1][0].removeprefix('baseline: ')} (best of {args.repeats}): episodes/s "
           f"x{slow / fast:.2f}, tokens/s x{(fast_tokens / fast) / (slow_tokens / slow):.2f}, engine time "
