@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -104,12 +103,6 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           data=world_size // dense, expert_data=world_size // sparse)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
     """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU, its
     collectives waiting up to ``parallel.collective_timeout_min`` (torch's default, NCCL's 10 minutes, is shorter than
@@ -117,7 +110,8 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
 
     Under torchrun (or any launcher that exports them) the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     variables are used. Several srun tasks without them are refused: each would otherwise start a world of its own.
-    Returns the world size.
+    A plain process makes a world of one over an in-memory store: no port, and nothing exported that the processes it
+    starts would inherit. Returns the world size.
     """
     if not dist.is_initialized():
         tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
@@ -127,13 +121,14 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
                 "MASTER_ADDR and MASTER_PORT: each task would train alone. Launch one torchrun per node under srun, "
                 "or export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID and a common "
                 "MASTER_ADDR / MASTER_PORT")
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(minutes=(parallel or ParallelConfig()).collective_timeout_min))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = timedelta(minutes=(parallel or ParallelConfig()).collective_timeout_min)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # a world of one: an in-memory store, no port to race for and nothing exported to child processes
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_world_size()
 
 

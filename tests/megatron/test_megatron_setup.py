@@ -249,6 +249,26 @@ def test_srun_tasks_without_a_rendezvous_are_refused() -> None:
     assert alone.stdout.split()[-2:] == ["WORLD", "1"], alone.stderr[-2000:]
 
 
+def test_a_world_of_one_leaves_nothing_its_child_processes_inherit() -> None:
+    """A plain process (a test, a notebook, `spade-mega train` on a laptop) makes a world of one in memory: it
+    exported RANK / WORLD_SIZE / MASTER_PORT and held that port in a TCP store, so every process it started later
+    (a second run, a convert) inherited the port and died with EADDRINUSE: make test lost five tests to it after
+    an in-process run."""
+    code = textwrap.dedent("""
+        import os, subprocess, sys
+        from spade_mega.megatron.parallel import init_distributed
+        print("WORLD", init_distributed(), "RANK" in os.environ, "MASTER_PORT" in os.environ)
+        child = subprocess.run([sys.executable, "-c", "from spade_mega.megatron.parallel import init_distributed; "
+                                "print('CHILD', init_distributed())"], capture_output=True, text=True)
+        print(child.stdout.strip(), child.returncode, child.stderr[-2000:])
+    """)
+    env = {k: v for k, v in worker_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:6] == ["WORLD", "1", "False", "False", "CHILD", "1"], out.stdout
+
+
 def test_nothing_is_patched_when_cuda_is_present() -> None:
     """GPU runs use megatron-core's device code untouched: with CUDA available install() applies no shim (only the
     fixes of upstream bugs that are not about the device, compat.FIXES), and the torch.cuda runtime, Tensor.type and
