@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
+from spade_mega.evaluation.symbolic import unwrap
+
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
 
@@ -47,7 +49,6 @@ def _choice_phrase(keywords: str) -> re.Pattern[str]:
 
 # an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
 _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
-_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox")
 MAX_ANSWERS = 8  # different boxed answers compared with each other; beyond, they are different by their text
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
@@ -135,20 +136,9 @@ def _maths_answer(reply: str) -> Optional[str]:
     return None if answers is None else ", ".join(answers)
 
 
-def _unwrap(text: str) -> str:
-    """``\\text{km}`` -> ``km`` for the wrapper commands, innermost first."""
-    for command in _WRAPPERS:
-        pattern = re.compile(re.escape(command) + r"\{([^{}]*)\}")
-        while True:
-            text, count = pattern.subn(r"\1", text)
-            if not count:
-                break
-    return text
-
-
 def normalise(answer: str) -> str:
     """Text of an answer with formatting that does not change its value removed."""
-    text = _unwrap(answer.strip())
+    text = unwrap(answer.strip())
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("{,}", ",").replace("\u2212", "-")  # a Unicode minus
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12

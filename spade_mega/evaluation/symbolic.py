@@ -68,16 +68,22 @@ class Refused(Exception):
 
 # --- cleaning ---------------------------------------------------------------------------------------------------
 
-def clean(answer: str) -> str:
-    """LaTeX of an answer without what never changes its value: ``$``, ``\\left``/``\\right``, ``\\dfrac``, spacing
-    commands, text wrappers (their content kept), a trailing full stop."""
-    text = answer.strip().replace("\u2212", "-").replace("{,}", ",")
+def unwrap(text: str, *, spaced: bool = False) -> str:
+    """``\\text{km}`` -> ``km`` for the wrapper commands, innermost first; ``spaced`` keeps the content apart from
+    its neighbours (``2\\text{cm}`` -> ``2 cm``) for the tokeniser."""
     for command in _WRAPPERS:
         pattern = re.compile(re.escape(command) + r"\s*\{([^{}]*)\}")
         while True:
-            text, count = pattern.subn(r" \1 ", text)
+            text, count = pattern.subn(r" \1 " if spaced else r"\1", text)
             if not count:
                 break
+    return text
+
+
+def clean(answer: str) -> str:
+    """LaTeX of an answer without what never changes its value: ``$``, ``\\left``/``\\right``, ``\\dfrac``, spacing
+    commands, text wrappers (their content kept), a trailing full stop."""
+    text = unwrap(answer.strip().replace("\u2212", "-").replace("{,}", ","), spaced=True)
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("\\!", "").replace("\\$", "").replace("$", "").replace("\\displaystyle", "")
     for spacing in ("\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
