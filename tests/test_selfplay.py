@@ -267,10 +267,14 @@ def test_the_loop_logs_its_metrics_saves_checkpoints_and_writes_the_report(runs:
 def test_a_run_prints_no_notice_its_user_cannot_act_on(runs: tuple[Path, Path]) -> None:
     """make demo printed seven notices between its progress lines that ask megatron-core's authors, not our users, to
     act (Apex missing, GPTModel deprecated, DDP's parameter layout, MIMO experimental, a non-leaf .grad in its
-    optimizer) and one of ours (a float of a tensor that requires grad)."""
+    optimizer) and one of ours (a float of a tensor that requires grad); a resumed run, five more from torch's
+    distributed checkpoint as megatron-core calls it."""
     stderr = (runs[0].parent / "stderr.log").read_text()
     for notice in ("Warning", "WARNING", "DEPRECATED", "deprecated"):
         assert notice not in stderr, stderr[-4000:]
+    resumed = (runs[1].parent / "stderr.log").read_text()  # a SIGUSR1 stop (our own WARNING says so), then the end
+    for notice in ("Warning:", "DEPRECATED", "deprecated"):
+        assert notice not in resumed, resumed[-4000:]
 
 
 @pytest.mark.slow

@@ -662,7 +662,8 @@ def install() -> dict[str, str]:
 # "full" is deprecated), import-time notes on parts we do not use (Apex and Transformer Engine fallbacks: the local
 # spec, torch's norm and optimizers are the CPU path by design, and model.transformer_impl decides TE on GPUs; the
 # experimental MIMO model), torch's warning about the non-leaf .grad its optimizer probes, GPTModel's deprecation in
-# favour of HybridModel, and DDP computing the parameter layout itself (megatron-core < 0.19 takes none). Each is
+# favour of HybridModel, DDP computing the parameter layout itself (megatron-core < 0.19 takes none), and torch's
+# distributed checkpoint on megatron-core's calls at every resume. Each is
 # matched by its text and, where it can be, its module, so the same text raised by our code still shows.
 _UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning, ""),
@@ -671,6 +672,12 @@ _UPSTREAM_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"full scope is deprecated", UserWarning, r"megatron\.core\.transformer\.transformer_config"),
     (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\."),
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor", UserWarning, r"megatron\.core\.optimizer\."),
+    # torch's distributed checkpoint, as megatron-core's loader calls it at every resume: no_dist=True (each rank
+    # reads its own shards, by design), the reader passed by position, ShardedTensor-based plans
+    (r"torch\.distributed is disabled, unavailable or uninitialized", UserWarning, r"torch\.distributed\.checkpoint\."),
+    (r"The argument order of load has been changed", UserWarning, r"torch\.distributed\.checkpoint\."),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"torch\.distributed\.checkpoint\."),
 )
 _UPSTREAM_LOG_NOTICES = {
     "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
