@@ -18,24 +18,10 @@ from spade_mega.inference import Engine, EngineError, GenerationRequest, Samplin
 from spade_mega.inference.hf import HFEngine, build_hf_model, sample_tokens
 from spade_mega.tokenizer import byte_tokenizer
 
-CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
+from hf_engine_support import CONFIG, cfg, one_thread  # noqa: F401 (fixtures)
+
 TOK = byte_tokenizer()
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding the tiny model is a chain of small ops: a second intra-op thread only adds hand-offs (and, on a
-    loaded machine, spin-waits that made this file 10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config(CONFIG, ["inference.device=cpu"])
 
 
 def make_engine(model, init_seed: int = 0, **kwargs) -> HFEngine:

@@ -21,21 +21,9 @@ from spade_mega.inference.hf import HFEngine, build_hf_model
 from spade_mega.inference.prefix_cache import PrefixCache
 from spade_mega.tokenizer import byte_tokenizer
 
-CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny_cpu.yaml"
+from hf_engine_support import CONFIG, cfg, one_thread  # noqa: F401 (fixtures)
+
 EOS = byte_tokenizer().eos_token_id
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config(CONFIG, ["inference.device=cpu"])
 
 
 def make_engine(cfg, prefix_cache_mb: float, init_seed: int = 0, **kwargs) -> HFEngine:
