@@ -332,3 +332,16 @@ def test_every_rollout_starts_and_ends_with_an_empty_prefix_cache(cfg, tmp_path)
     finally:
         actor.close()
     assert metrics["agent/episodes"] > 0 and held[0] == 0 and max(held) > 0  # used within the rollout
+
+
+def test_emptying_a_prefix_cache_is_an_engine_capability_the_loop_asks_for_by_its_protocol(cfg):
+    """The hf engine keeps its prefix cache in this process and says so by the PrefixCaching protocol, which the loop
+    asks for (as MemoryReleasing for colocated servers); the server engines keep theirs in the server and have no
+    such part, nor has an engine that caches nothing of its own (the tests' scripted one)."""
+    from solver_engine import ScriptedSolverEngine
+
+    from spade_mega.inference import PrefixCaching
+    from spade_mega.inference.server import ServerEngine
+
+    assert isinstance(make_engine(cfg, 64), PrefixCaching) and isinstance(make_engine(cfg, 0), PrefixCaching)
+    assert not issubclass(ServerEngine, PrefixCaching) and not issubclass(ScriptedSolverEngine, PrefixCaching)

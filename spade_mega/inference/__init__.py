@@ -16,11 +16,12 @@ from spade_mega.inference.base import (
     Generation,
     GenerationRequest,
     MemoryReleasing,
+    PrefixCaching,
     SamplingParams,
 )
 
-__all__ = ["Engine", "EngineError", "Generation", "GenerationRequest", "MemoryReleasing", "SamplingParams",
-           "build_engine", "releases_memory"]
+__all__ = ["Engine", "EngineError", "Generation", "GenerationRequest", "MemoryReleasing", "PrefixCaching",
+           "SamplingParams", "build_engine", "releases_memory"]
 
 
 def releases_memory(cfg: SpadeConfig) -> bool:

@@ -110,3 +110,14 @@ class MemoryReleasing(Protocol):
     def resume_memory(self, tag: MemoryTag) -> None:
         """Take back the GPU memory of ``tag`` released by :meth:`release_memory` (nothing if it was not)."""
         ...
+
+
+@runtime_checkable
+class PrefixCaching(Protocol):
+    """What an engine that keeps a prefix cache of its own in this process adds (the hf engine): emptying it. A
+    caller whose results must not depend on earlier calls (the loop, around every rollout: a resumed run starts with
+    an empty cache) asks for it; server engines keep theirs in the server, which promises no bitwise replay."""
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached sequence (nothing if the engine caches none)."""
+        ...

@@ -267,9 +267,10 @@ class _Actor:
         evaluation after the last checkpoint left its sequences there, a run resumed from that checkpoint has none,
         and a prefix taken from them changes the rollout's log-probs in the last bits. After it: the trainer steps
         next (on the same GPU) and the weight sync would drop them anyway."""
-        clear = getattr(self.engine, "clear_prefix_cache", None)
-        if clear is not None:
-            clear()
+        from spade_mega.inference import PrefixCaching
+
+        if isinstance(self.engine, PrefixCaching):
+            self.engine.clear_prefix_cache()
 
     def trained(self, updated: Sequence[bool]) -> None:
         """The rollout's transcript, once its training is known (``updated[k]``: whether the optimizer step that held
