@@ -99,12 +99,16 @@ def check_folder_tokenizer(folder: str | Path, configured: str | None) -> bool:
     token id another meaning from the first step, with no error anywhere. True when the folder's tokenizer was
     compared. A folder without tokenizer files (weights only, the tokenizer kept elsewhere) cannot be checked: its
     weights are taken to use ``model.tokenizer``, with a warning naming it, and False is returned (convert from-hf
-    records the pairing as assumed in its checkpoint's manifest)."""
+    records the pairing as assumed in its checkpoint's manifest). Every rank of a job checks (each raises a mismatch,
+    before the ranks join); rank 0 alone warns, once for the job."""
+    from spade_mega.monitor.metrics import current_rank
+
     folder = Path(folder).expanduser().absolute()
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        log.warning("%s has no tokenizer files (tokenizer.json / tokenizer_config.json): its weights are taken to use "
-                    "model.tokenizer, %s, unchecked; if they were trained with another, set model.tokenizer to it",
-                    folder, describe_tokenizer(tokenizer_identity(configured)))
+        if current_rank() == 0:
+            log.warning("%s has no tokenizer files (tokenizer.json / tokenizer_config.json): its weights are taken "
+                        "to use model.tokenizer, %s, unchecked; if they were trained with another, set "
+                        "model.tokenizer to it", folder, describe_tokenizer(tokenizer_identity(configured)))
         return False
     theirs, ours = tokenizer_identity(str(folder)), tokenizer_identity(configured)
     if not same_tokenizer(theirs, ours):

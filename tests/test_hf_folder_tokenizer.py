@@ -4,6 +4,7 @@ is built or written, as convert from-hf refuses it. Real tokenizer folders, the 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -147,3 +148,18 @@ def test_from_hf_of_a_folder_without_a_tokenizer_records_the_pairing_as_assumed(
     assert "their token ids mean different things" in last, last
     assert f"convert from-hf took model.tokenizer for {bare}, which has no tokenizer files" in last, last
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_folder_without_tokenizer_files_is_named_once_per_job(tmp_path: Path, rank: str,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Every rank of a job checks inference.hf_weights before it joins the others (so each raises a mismatch), but the
+    warning that a weights-only folder is taken unchecked is the job's: rank 0 says it, not each of 8 or 512 ranks."""
+    monkeypatch.setenv("RANK", rank)  # what torchrun and spade-mega launch slurm export, before torch.distributed
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with caplog.at_level(logging.WARNING, logger="spade_mega"):
+        assert not check_folder_tokenizer(bare, None)
+    said = [r.getMessage() for r in caplog.records if "has no tokenizer files" in r.getMessage()]
+    assert len(said) == (1 if rank == "0" else 0), said
