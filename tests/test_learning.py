@@ -249,3 +249,22 @@ def test_the_learning_bench_never_reports_an_earlier_invocations_runs(tmp_path: 
     with pytest.raises(SystemExit) as info:
         learning.main(["--rollouts", "1", "--seed", "7", "--out", str(tmp_path)])
     assert f"{tmp_path} already holds trained" in str(info.value)
+
+
+def test_agent_only_training_neither_reads_nor_needs_the_corpus(tmp_path: Path) -> None:
+    """The corpus grounds designer prompts; with selfplay.environments there are none, so the actor does not build it
+    (it was read, deduplicated and indexed at every start for nothing, and a corpus path that does not exist on the
+    cluster stopped an agent-only run). A designer run with the same corpus still stops, naming it."""
+    from spade_mega.curriculum.corpus import CorpusError
+    from spade_mega.selfplay.loop import _Actor
+
+    corpus = [f"curriculum.corpus.sources=[{{path: {tmp_path / 'nowhere.jsonl'}, domain: maths}}]"]
+    base = [f"run.output_dir={tmp_path}", *QUIET, *_isolation(), *corpus]
+    actor = _Actor(load_config(LEARN, base), tmp_path / "agent_only")
+    try:
+        assert actor.sampler is None and actor.fixed
+    finally:
+        actor.close()
+    designer = load_config(LEARN, [*base, "selfplay.environments=[]", "rollout.hint_plays_per_env=1"])
+    with pytest.raises(CorpusError, match="nowhere.jsonl"):
+        _Actor(designer, tmp_path / "designer").close()

@@ -152,8 +152,10 @@ class _Actor:
             tokenizer = load_tokenizer(cfg.model.tokenizer)
             registry = SkillRegistry.from_config(cfg.curriculum)
             self.scheduler = SkillScheduler(registry, cfg.curriculum.active_skills)
-            self.sampler = GroundingSampler(Corpus.build(cfg.curriculum.corpus), registry.domains(), tokenizer,
-                                            cfg.curriculum.corpus.token_budget, cfg.run.seed)
+            # the corpus grounds designer prompts: an agent-only run (selfplay.environments) writes none
+            self.sampler: Optional[GroundingSampler] = None if self.fixed else GroundingSampler(
+                Corpus.build(cfg.curriculum.corpus), registry.domains(), tokenizer, cfg.curriculum.corpus.token_budget,
+                cfg.run.seed)
             self.memory = EnvMemory.for_run(cfg.curriculum.memory, run_dir)
             self.closing.append(self.memory)
             self.pool = SandboxPool(cfg.sandbox)
@@ -288,6 +290,7 @@ class _Actor:
         self.set_stale = False
         if self.fixed:
             return self.fixed_set(r)
+        assert self.sampler is not None  # built whenever the designer writes the set
         cfg, mem = self.cfg, self.cfg.curriculum.memory
         self.active_skills = self.scheduler.next_active()
         slots = []
