@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spade_mega.evaluation.scoring import MAX_ANSWERS, SCORERS, boxed_answers, final_answer, stated_answers
-from spade_mega.evaluation.symbolic import MAX_CHARS, MAX_ITEMS, expression, parse_answer
+from spade_mega.evaluation.symbolic import MAX_CHARS, MAX_FACTORIAL, MAX_ITEMS, expression, parse_answer
 
 SAME = [  # (answer the model boxed, reference)
     ("2^{10}", "1024"),
@@ -46,6 +46,57 @@ SAME = [  # (answer the model boxed, reference)
     ("\\$1{,}000", "1000"),
     ("10,\\!000", "10^4"),
     ("9^{4000} 9^{4000} (\\sqrt{2} + 1)^2", "(3 + 2\\sqrt{2}) 9^{8000}"),  # terms cancelling past a 7634-digit factor
+    # \pm: the set of both values (every \pm the same sign, \mp the other), spliced into a list holding it
+    ("\\pm 2", "2, -2"),
+    ("x = \\pm 2", "-2, 2"),
+    ("x = \\pm 2", "x = 2, x = -2"),
+    ("1 \\pm \\sqrt{19}", "1 - \\sqrt{19}, 1 + \\sqrt{19}"),
+    ("\\frac{-1 \\pm \\sqrt{13}}{4}", "\\frac{-1-\\sqrt{13}}{4}, \\frac{-1+\\sqrt{13}}{4}"),
+    ("\\{1\\pm\\sqrt{5},-2\\}", "\\{-2, 1+\\sqrt 5, 1-\\sqrt 5\\}"),
+    ("3 \\mp 1", "4, 2"),
+    # repeating decimals: exact fractions
+    ("0.\\overline{3}", "\\frac{1}{3}"),
+    ("0.1\\overline{6}", "\\frac16"),
+    ("0.08\\overline{3}", "\\frac{1}{12}"),
+    ("1.\\overline{09}", "\\frac{12}{11}"),
+    ("0.\\overline{142857}", "\\frac{1}{7}"),
+    (".\\bar{6}", "\\frac{2}{3}"),
+    # factorials and binomials
+    ("5!", "120"),
+    ("\\frac{10!}{8!}", "90"),
+    ("(n+1)!", "(n+1) \\cdot n!"),
+    ("\\binom{5}{2}", "10"),
+    ("\\dbinom{6}{3}", "20"),
+    ("\\tbinom{5}{2}", "10"),
+    ("{5 \\choose 2}", "10"),
+    ("\\binom{n}{2}", "\\frac{n(n-1)}{2}"),
+    # equations: the same one scaled by a non-zero constant (x = 3 is x - 3 = 0)
+    ("x - 3 = 0", "x = 3"),
+    ("2x = 6", "x = 3"),  # scaled by 2: the same equation (docs/evaluation.md)
+    ("3 = x", "x = 3"),
+    ("y = 2x + 1", "2y = 4x + 2"),
+    ("y = x", "x = y"),
+    ("y = 2x + 1", "x = \\frac{y - 1}{2}"),
+    ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}"),
+    ("\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "\\frac{x^2}{16} + \\frac{y^2}{12} = \\frac14"),
+    # real odd roots; \log is base 10
+    ("\\sqrt[3]{-8}", "-2"),
+    ("\\sqrt[5]{-32}", "-2"),
+    ("\\sqrt[3]{-2}", "-\\sqrt[3]{2}"),
+    ("\\sqrt[4]{16}", "2"),
+    ("\\log 100", "2"),
+    ("\\log 2 + \\log 5", "1"),
+    ("\\ln e^{3}", "3"),
+    # scale words are factors, not units
+    ("5\\text{ thousand}", "5000"),
+    ("2.5\\text{ million}", "2,500,000"),
+    ("5\\text{ thousand dollars}", "5000\\text{ dollars}"),
+    # formatting: \textnormal units, \cfrac, x \in, named lists, "and"
+    ("125\\textnormal{ miles}", "125"),
+    ("\\cfrac{1}{3}", "1/3"),
+    ("x \\in [-2, 7]", "[-2,7]"),
+    ("k = 45, n = 2", "45, 2"),
+    ("6 \\text{ and } 8", "6, 8"),
 ]
 
 DIFFERENT = [  # (answer, reference): not the same value
@@ -86,6 +137,39 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("3.14159265358979323846264338327950288419716939937510", "\\pi"),
     ("10^{50}\\pi + \\sqrt{2}", "10^{50}\\pi"),
     ("x + 10^{-60}\\sqrt{2}", "x"),
+    # next to every rule above, what it must not take
+    ("\\pm 2", "2"),  # one of the two values is not the answer
+    ("\\pm 2", "-2"),
+    ("\\pm 2", "2, 2"),
+    ("x = \\pm 2", "y = 2, y = -2"),
+    ("1 \\pm \\sqrt{19}", "1 + \\sqrt{19}"),
+    ("3 \\mp 1", "3 \\pm 2"),
+    ("0.\\overline{3}", "0.333"),
+    ("0.\\overline{3}", "0.3"),
+    ("0.1\\overline{6}", "0.\\overline{16}"),
+    ("5!", "5"),
+    ("5!", "24"),
+    ("\\binom{5}{2}", "5"),
+    ("\\binom{6}{2}", "\\binom{6}{3}"),
+    ("\\binom{n}{2}", "\\frac{n(n+1)}{2}"),
+    ("x - 3 = 0", "3"),  # an equation is no value: the reply did not solve it
+    ("x - 3 = 0", "y = 3"),
+    ("2x = 6", "y = 3"),
+    ("(x - 3)^2 = 0", "x = 3"),  # the same solution set, but not the same equation: equations are not solved
+    ("x^2 = 9", "x = 3"),
+    ("|x| = 3", "x = 3"),
+    ("y = 2x + 1", "x = \\frac{y + 1}{2}"),
+    ("\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "\\frac{x^2}{16} + \\frac{y^2}{12} = 1"),
+    ("\\sqrt[3]{-8}", "2"),
+    ("\\sqrt[4]{16}", "-2"),
+    ("\\sqrt[4]{16}", "4"),
+    ("\\log 100", "\\ln 100"),
+    ("\\log 100", "4.605"),
+    ("5\\text{ thousand}", "5"),  # was taken as 5 with a unit
+    ("5\\text{ million}", "5000"),
+    ("5\\text{ thousand dollars}", "5\\text{ dollars}"),
+    ("x \\in [-2, 7]", "[-2, 7)"),
+    ("6 \\text{ and } 8", "6"),
 ]
 
 
@@ -114,6 +198,8 @@ HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3", "3, -5", False),
     ("boxed", "The roots are \\boxed{3} and \\boxed{-5}.", "3, -5, 1", "3, -5", False),
     ("boxed", "\\boxed{12} or \\boxed{345}", "12,345", "12, 345", False),  # two boxes are no thousands number
+    ("boxed", "So $x = \\boxed{2}$ or $x = \\boxed{-2}$.", "\\pm 2", "2, -2", True),  # a box per sign of \\pm
+    ("boxed", "So $x = \\boxed{2}$ or $x = \\boxed{-2}$.", "2", "2, -2", False),
     ("choice", "\\boxed{A} ... on reflection \\boxed{C}", "C", None, False),
     ("choice", "\\boxed{C}, I repeat: \\boxed{(C)}", "C", "C", True),
     ("choice", "\\boxed{A}. Hmm, no: \\boxed{B", "A", None, False),  # the last box was cut off: no answer, as boxed
@@ -143,7 +229,10 @@ def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
 PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{9}}", "x^{10^{9}}",
                 "((10^{100}\\sqrt{2})^{1000})^{1000}", "(1+\\sqrt{2})^{10^{9}}", "\\sin(10^{99999})",
                 "9^{9^{9^9}} - 9^{9^{9^9}}", "\\sqrt[7]{3^{6000}+1}",  # the last: 25 s of sympy factoring
-                "2^{2^{\\pi \\cdot 10^{9}}}", "e^{e^{e^{9}}}", "x^{e^{e^{9}}}"]  # irrational exponents: evalf hung
+                "2^{2^{\\pi \\cdot 10^{9}}}", "e^{e^{e^{9}}}", "x^{e^{e^{9}}}",  # irrational exponents: evalf hung
+                "(10^{5})!", "((5!)!)!", "(x^{100})!", "\\binom{10^{100}}{10^{50}}", "\\binom{x^{100}}{2}",
+                "\\sqrt[3]{-3^{6000}-1}",
+                ", ".join(f"{i} \\pm \\sqrt{{2}}" for i in range(MAX_ITEMS // 2 + 1))]  # 34 values
 
 
 @pytest.mark.timeout(60)  # before the size bound the first of these never returned
@@ -172,8 +261,10 @@ def test_a_reply_looping_through_thousands_of_boxes_is_scored_at_once() -> None:
 
 
 def test_what_the_translation_refuses() -> None:
-    for text in ("2\\frac{1}{2}", "1 2", "x \\pm 1", "x > 3", "5!", "\\binom{5}{2}", "\\begin{pmatrix}1\\end{pmatrix}",
-                 "a = b = c", "1/0", "0^{-1}", "x" * (MAX_CHARS + 1)):
+    for text in ("2\\frac{1}{2}", "1 2", "x > 3", "\\begin{pmatrix}1\\end{pmatrix}", "a = b = c", "1/0", "0^{-1}",
+                 "x" * (MAX_CHARS + 1), "5!!", "x != 3", "(-1)!", "(\\frac{1}{2})!", f"{MAX_FACTORIAL + 1}!",
+                 f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}"):
         assert parse_answer(text) is None, text
+    assert parse_answer("5\\text{ thousand}").value == 5000 and parse_answer("5\\text{ thousand}").unit == ""
     assert expression("2\\sqrt{2}") == expression("\\sqrt{8}")
     assert str(expression("\\frac12 + x_1 \\cdot \\alpha")) == "alpha*x_1 + 1/2"

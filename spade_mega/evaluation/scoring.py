@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
-from spade_mega.evaluation.symbolic import unwrap
+from spade_mega.evaluation.symbolic import SCALES, unwrap
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
@@ -53,7 +53,7 @@ MAX_ANSWERS = 8  # different boxed answers compared with each other; beyond, the
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
-_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")  # "5\text{ cm}"
+_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")  # "5\text{ cm}"
 _CONSTANTS = ("e", "i")  # 3\mathrm{i} is a number of its own, not 3 of a unit
 _VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
 _SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
@@ -140,6 +140,7 @@ def normalise(answer: str) -> str:
     """Text of an answer with formatting that does not change its value removed."""
     text = unwrap(answer.strip())
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = text.replace("\\cfrac", "\\frac")
     text = text.replace("{,}", ",").replace("\u2212", "-")  # a Unicode minus
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
@@ -179,6 +180,8 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
     if _LIST_COMMA.search(answer):
         return None
     unit = _UNIT.search(answer)
+    if unit is not None and unit.group(1).split()[0].lower() in SCALES:
+        return None  # 5\text{ thousand} is no 5 in thousands: symbolic.py reads the factor
     if unit is not None and (unit.start() == 0 or unit.group(1) in _CONSTANTS):
         unit = None
     text = answer[:unit.start()] if unit is not None else answer

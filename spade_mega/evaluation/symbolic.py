@@ -3,26 +3,36 @@ answers take, then a bounded comparison. Model text is never ``eval()``-ed nor h
 recursive-descent parser builds the expression from a fixed set of constructs, and anything else is refused (the
 caller then compares text).
 
-Translated: integers and decimals (exact rationals), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit
-multiplication (``2\\sqrt{2}``, ``3\\pi``, ``2x``, ``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character,
-as in LaTeX), ``\\frac`` / ``\\dfrac`` / ``\\tfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}``, ``\\pi``,
-``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ... ``\\ln``, ``\\log_b``, letters and Greek
-letters as variables (``x_1`` too), parentheses, brackets and braces as grouping. Around it: a tuple or interval
-``(a, b]`` (brackets must match, compared element by element), a set ``\\{a, b\\}`` or a bare list ``a, b``
-(compared as sets, in any order), a union ``A \\cup B``, an equation ``y = 2x + 1`` (``x =`` before a value is
-dropped, but ``x = 3`` is not ``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to sign), a
-trailing percent sign (a percentage equals its number with or without the sign, and its number / 100 against a side
-without one), degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never
-match).
+Translated: integers and decimals (exact rationals), repeating decimals (``0.1\\overline{6}`` is 1/6; ``\\bar``
+too), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit multiplication (``2\\sqrt{2}``, ``3\\pi``,
+``2x``, ``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character, as in LaTeX), ``\\frac`` / ``\\dfrac`` /
+``\\tfrac`` / ``\\cfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (for an odd n, of a negative
+number, the real root: ``\\sqrt[3]{-8}`` is -2; of an expression, sympy's principal root), ``n!`` and
+``\\binom{n}{k}`` (``\\dbinom``, ``\\tbinom``, ``{n \\choose k}``) of natural numbers up to ``MAX_FACTORIAL`` or of
+expressions in variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ...
+``\\ln``, ``\\log_b`` and ``\\log`` (base 10, as competition answers, math-verify and Qwen2.5-Math's grader read
+it; ``\\ln`` is the natural logarithm), letters and Greek letters as variables (``x_1`` too), parentheses, brackets
+and braces as grouping. Around it: a tuple or interval ``(a, b]`` (brackets must match, compared element by
+element), a set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as sets, in any order;
+its entries may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``, every ``\\pm`` taking
+the same sign and ``\\mp`` the other; in a list, its two values are two entries), a union ``A \\cup B``, an equation
+``y = 2x + 1`` (``x =`` or ``x \\in`` before a value is dropped, but ``x = 3`` is not ``y = 3``; two equations are the
+same when their ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``,
+but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``), a trailing percent
+sign (a percentage equals its number with or without the sign, and its number / 100 against a side without one),
+degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match; a scale word
+is a factor, not a unit: ``5\\text{ thousand}`` is 5000, never 5).
 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
-equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm``, inequalities,
-factorials, binomials, matrices, answers over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries
-(matched item against item), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``, and with an
-irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a trigonometric function of a
-number of over ``MAX_DIGITS`` digits and a root of a number of over ``MAX_ROOT_DIGITS`` digits: sympy evaluates powers
-and roots of rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no timer:
-the same answers always give the same verdict).
+equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm`` in a tuple
+(``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``, matrices, answers
+over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries (matched item against item; each ``\\pm``
+counts two), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``, and with an irrational
+exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a trigonometric function of a number of over
+``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS`` digits and a factorial or binomial of more than
+``MAX_FACTORIAL`` (at the identity test's points, for an expression): sympy evaluates powers, roots and factorials
+of rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no timer: the same
+answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -44,6 +54,7 @@ MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is com
 MAX_DIGITS = 10_000  # the largest power sympy is asked to compute exactly
 MAX_ITEMS = 32  # entries of a set or list compared in any order
 MAX_ROOT_DIGITS = 100  # the largest number sympy is asked to take a root of (\sqrt[7]{3^{6000}+1} took 25 s)
+MAX_FACTORIAL = 3000  # the largest argument of a factorial or binomial (3000! has 9131 digits, under MAX_DIGITS)
 PRECISION = 60  # significant digits of the numerical identity test
 DIGITS = 45  # the digits two values must share (the rest is evaluation error)
 # the variables' values of the identity test: non-integers far from the poles of the usual answer forms
@@ -55,11 +66,18 @@ _PERIODIC = {"sin", "cos", "tan", "cot", "sec", "csc"}  # evaluated by reducing 
 _GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
           "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi",
           "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
-_TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[A-Za-z]+|\\.|\S)")
-_WRAPPERS = ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox", "\\operatorname")
+# a repeating decimal 0.1\overline{6} is one number token (\bar too), before the plain numbers
+_REPEATING = re.compile(r"(\d*)\.(\d*)\\(?:overline|bar)\s*(?:\{\s*(\d+)\s*\}|(\d))")
+_TOKEN = re.compile(r"\s*(\d*\.\d*\\(?:overline|bar)\s*(?:\{\s*\d+\s*\}|\d)|\d+\.?\d*|\.\d+|\\[A-Za-z]+|\\.|\S)")
+_WRAPPERS = ("\\text", "\\textbf", "\\textnormal", "\\textrm", "\\mathrm", "\\mathbf", "\\mbox",
+             "\\operatorname")
+_BINOMIALS = ("\\binom", "\\dbinom", "\\tbinom")
+_NOT_ATOMS = ("\\cdot", "\\times", "\\div", "\\cup", "\\choose")  # operators: no implicit product before them
 _DEGREES = re.compile(r"(\^\s*\{?\s*\\circ\s*\}?|°)$")
 _PERCENT = re.compile(r"\\?%$")
-_VARIABLE = re.compile(r"^[A-Za-z]\s*=(?!=)")  # "x = 5": the value
+_VARIABLE = re.compile(r"^[A-Za-z]\s*(?:=(?!=)|\\in(?![A-Za-z]))")  # "x = 5", "x \in [0, 1]": the value
+_SIGN_CHOICE = re.compile(r"\\(pm|mp)(?![A-Za-z])")  # 1 \pm \sqrt{2}: two values (not \pmod)
+SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
 
 
 class Refused(Exception):
@@ -85,7 +103,8 @@ def clean(answer: str) -> str:
     commands, text wrappers (their content kept), a trailing full stop."""
     text = unwrap(answer.strip().replace("\u2212", "-").replace("{,}", ","), spaced=True)
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = text.replace("\\!", "").replace("\\$", "").replace("$", "").replace("\\displaystyle", "")
+    text = text.replace("\\cfrac", "\\frac").replace("\\!", "").replace("\\$", "").replace("$", "")
+    text = text.replace("\\displaystyle", "")
     for spacing in ("\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
         text = text.replace(spacing, " ")
     return text.strip().rstrip(".").strip()
@@ -113,8 +132,8 @@ def _top_level(text: str, separator: str) -> list[str]:
 # --- the expression parser ---------------------------------------------------------------------------------------
 
 class _Parser:
-    """Recursive descent over LaTeX tokens: expr := term (('+'|'-') term)*; term := unary (('*'|'/'|implicit)
-    unary)*; unary := ('-'|'+') unary | power; power := atom ('^' exponent)*."""
+    """Recursive descent over LaTeX tokens: expr := term (('+'|'-') term)* ['\\choose' expr]; term := unary
+    (('*'|'/'|implicit) unary)*; unary := ('-'|'+') unary | power; power := atom '!'* ('^' exponent)*."""
 
     def __init__(self, text: str) -> None:
         import sympy
@@ -144,6 +163,9 @@ class _Parser:
         value = self.term()
         while self.peek() in ("+", "-"):
             value = value + self.term() if self.take() == "+" else value - self.term()
+        if self.peek() == "\\choose":  # {n \choose k}: the rest of the group is k
+            self.take()
+            return _combination(self.sp, value, self.expr())
         return value
 
     def term(self) -> Any:
@@ -179,10 +201,15 @@ class _Parser:
     def _starts_atom(token: Optional[str]) -> bool:
         return token is not None and (token in ("(", "[", "{", "|") or _is_number(token) or token.isalpha()
                                       or (token.startswith("\\") and token[1:].isalpha()
-                                          and token not in ("\\cdot", "\\times", "\\div", "\\cup")))
+                                          and token not in _NOT_ATOMS))
 
     def power(self) -> Any:
         value = self.atom()
+        while self.peek() == "!":  # n!, (n+1)!; 5!! (a double factorial) is refused, not read as (5!)!
+            self.take()
+            if self.peek() == "!":
+                raise Refused("a double factorial")
+            value = _combination(self.sp, value)
         while self.peek() == "^":
             self.take()
             value = _power(self.sp, value, self.exponent())
@@ -246,7 +273,12 @@ class _Parser:
             if self.peek() == "[":
                 degree = self.group("[", "]")
             radicand = self.argument()
+            if degree is not None and degree.is_Integer and degree % 2 == 1 and radicand.is_number \
+                    and radicand.is_extended_negative:  # the real root: \sqrt[3]{-8} is -2, not sympy's principal root
+                return -_power(sp, -radicand, 1 / degree)
             return _power(sp, radicand, sp.Rational(1, 2) if degree is None else 1 / _nonzero(degree))
+        if token in _BINOMIALS:
+            return _combination(sp, self.argument(), self.argument())
         if token == "\\pi":
             return sp.pi
         if token == "\\infty":
@@ -295,6 +327,8 @@ class _Parser:
             argument = self.group_rest(self.take())
         else:
             argument = self.power()
+        if name == "log" and base is None:
+            base = sp.Integer(10)  # a bare \log is the common logarithm, as competition answers and math-verify read it
         if name == "exp":  # e^x, bounded as every power is
             value = _power(sp, sp.E, argument)
         elif base is None:
@@ -307,13 +341,32 @@ class _Parser:
 
 
 def _is_number(token: str) -> bool:
-    return token[:1].isdigit() or (token[:1] == "." and token[1:2].isdigit())
+    return token[:1].isdigit() or (token[:1] == "." and len(token) > 1)  # ".5", ".\overline{3}"
 
 
 def _number(sympy: Any, token: str) -> Any:
     if len(token) > MAX_DIGITS:
         raise Refused("a number too long")
-    return sympy.Rational(token)  # a decimal is its exact value: 0.5 is 1/2
+    repeating = _REPEATING.fullmatch(token)
+    if repeating is None:
+        return sympy.Rational(token)  # a decimal is its exact value: 0.5 is 1/2
+    whole, fixed, period = repeating.group(1) or "0", repeating.group(2), repeating.group(3) or repeating.group(4)
+    # 0.1\overline{6} = 0.1 + 6 / (10 * 9): the period repeats from the digit after the fixed ones
+    return sympy.Rational(f"{whole}.{fixed or 0}") + \
+        sympy.Rational(int(period), 10 ** len(fixed) * (10 ** len(period) - 1))
+
+
+def _combination(sympy: Any, n: Any, k: Any = None) -> Any:
+    """``n!`` (``k`` None) or the binomial coefficient ``C(n, k)``, of natural numbers up to MAX_FACTORIAL (sympy
+    computes them exactly as it builds them), or of expressions in variables up to MAX_FACTORIAL at the identity
+    test's points (``(n+1)!``, ``\\binom{n}{2}``: sympy's gamma function evaluates them there)."""
+    for argument in (n,) if k is None else (n, k):
+        if argument.is_number:
+            if not (argument.is_Integer and 0 <= argument <= MAX_FACTORIAL):
+                raise Refused("a factorial or binomial of no natural number up to MAX_FACTORIAL")
+        elif _size(sympy, argument) > math.log10(MAX_FACTORIAL):
+            raise Refused("a factorial or binomial of an expression too large")
+    return sympy.factorial(n) if k is None else sympy.binomial(n, k)
 
 
 def _nonzero(value: Any) -> Any:
@@ -350,9 +403,10 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
 
 
 def _may_be_large(sympy: Any, value: Any) -> bool:
-    """Whether ``value`` holds a power or an integer of over 15 digits: only then can it exceed MAX_DIGITS digits
-    (and _size, evaluating it, is spared for the rest: nested ``\\sin`` would cost it quadratic time)."""
-    return value.has(sympy.Pow, sympy.exp) or any(_digits(r) > 15 for r in value.atoms(sympy.Rational))
+    """Whether ``value`` holds a power, a factorial or an integer of over 15 digits: only then can it exceed MAX_DIGITS
+    digits (and _size, evaluating it, is spared for the rest: nested ``\\sin`` would cost it quadratic time)."""
+    return value.has(sympy.Pow, sympy.exp, sympy.factorial, sympy.binomial) or \
+        any(_digits(r) > 15 for r in value.atoms(sympy.Rational))
 
 
 def _size(sympy: Any, value: Any) -> float:
@@ -384,7 +438,8 @@ def expression(text: str) -> Any:
 
 @dataclass(frozen=True)
 class Answer:
-    """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``), eq
+    """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``; the
+    two values of a ``\\pm`` expression are a set with ``brackets`` ``\\pm``, spliced into a list holding it), eq
     (``value`` is lhs - rhs); ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or "";
     ``variable`` the letter of a leading ``x =``, or "" (``x = 3`` is 3, but not ``y = 3``)."""
 
@@ -397,11 +452,12 @@ class Answer:
     variable: str = ""
 
 
-_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
+_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
 _CONSTANTS = ("e", "i")
 # words: a text wrapper holding two letters in a row, or three letters in a row outside a command (\\sqrt, \\pi)
 _WORDS = re.compile(r"\\(?:text\w*|mbox|mathrm|mathbf|operatorname)\s*\{[^{}]*[A-Za-z]{2}|(?<![\\A-Za-z])[A-Za-z]{3}")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+_AND = re.compile(r",?\s*(?:\\text\s*\{\s*and\s*\}|\band\b)\s*")  # "6 \text{ and } 8" lists 6, 8
 
 
 def parse_answer(answer: str) -> Optional[Answer]:
@@ -409,49 +465,83 @@ def parse_answer(answer: str) -> Optional[Answer]:
     if len(answer) > MAX_CHARS:
         return None
     try:
-        return _answer(answer.strip(), top=True)
+        return _answer(_AND.sub(", ", answer.strip()), top=True)
     except (Refused, RecursionError, ValueError, TypeError, ZeroDivisionError, OverflowError):
         return None
 
 
 def _answer(raw: str, top: bool = False) -> Answer:
-    unit = ""
+    """``raw`` without its trailing unit parsed (``_structure``), the unit set on it; a leading scale word of the
+    unit (``5\\text{ million}``, ``5\\text{ thousand dollars}``) is a factor, never dropped: 5 thousand is not 5."""
+    unit, scale = "", 0
     found = _UNIT.search(raw)
     if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
-        unit, raw = " ".join(found.group(1).split()), raw[:found.start()]
+        words = found.group(1).split()
+        if words[0].lower() in SCALES:
+            scale = SCALES[words.pop(0).lower()]
+        unit, raw = " ".join(words), raw[:found.start()]
+    answer = _structure(raw, top)
+    if scale:
+        if answer.kind != "expr":
+            raise Refused("a scale word after a list or an equation")
+        answer = replace(answer, value=answer.value * 10 ** scale)
+    return replace(answer, unit=answer.unit or unit)
+
+
+def _structure(raw: str, top: bool) -> Answer:
     if _WORDS.search(raw) or _WORDS.search(clean(raw)):
         raise Refused("words")  # "\\text{east}" is no product e*a*s*t ("seat" would equal it)
     text = clean(raw)
+    if "!=" in text:
+        raise Refused("an inequation")  # x != 3 is no equation x! = 3
     text = _DEGREES.sub("", text).strip()
     percent = _PERCENT.search(text) is not None
     text = _PERCENT.sub("", text).strip()
     named = _VARIABLE.match(text) if top else None
     if named is not None and "=" not in text[named.end():]:  # "x = 5" is 5; "x = y = 5" is refused below
         value = _answer(text[named.end():].strip())
-        return replace(value, percent=value.percent or percent, unit=value.unit or unit, variable=text[0])
+        if value.kind == "set":  # x = \pm 2, x = 1, 2: each value is x's (not y's)
+            items = tuple(replace(item, variable=item.variable or text[0]) for item in value.items)
+            value = replace(value, items=items)
+        return replace(value, percent=value.percent or percent, variable=text[0])
     if not text:
         raise Refused("empty")
     union = _top_level(text, "\\cup")
     if len(union) > 1:
-        return Answer("union", items=tuple(_answer(part) for part in union), unit=unit)
+        return Answer("union", items=tuple(_answer(part) for part in union))
+    if _THOUSANDS.fullmatch(text):  # 1,000 (a comma followed by a space, "1, 234", is a list)
+        return Answer("expr", value=expression(text.replace(",", "")), percent=percent)
+    items = _entries(text)
+    if len(items) > 1:  # a list of values or of equations: 1, 2 or x = 1, x = 2 or k = 45, n = 2
+        return Answer("set", items=_spliced(_answer(part, top=True) for part in items))
     sides = _top_level(text, "=")
     if len(sides) == 2:
-        return Answer("eq", value=expression(sides[0]) - expression(sides[1]), unit=unit)
+        return Answer("eq", value=expression(sides[0]) - expression(sides[1]))
     if len(sides) > 2:
         raise Refused("a chain of equations")
-    if _THOUSANDS.fullmatch(text):  # 1,000 (a comma followed by a space, "1, 234", is a list)
-        return Answer("expr", value=expression(text.replace(",", "")), percent=percent, unit=unit)
     if text.startswith("\\{") and text.endswith("\\}"):
-        return Answer("set", items=tuple(_answer(part) for part in _entries(text[2:-2])), unit=unit)
+        return Answer("set", items=_spliced(_answer(part) for part in _entries(text[2:-2])))
     if text[0] in "([" and text[-1] in ")]" and _encloses(text):
         inner = _entries(text[1:-1])
         if len(inner) > 1:
-            return Answer("tuple", items=tuple(_answer(part) for part in inner), brackets=text[0] + text[-1],
-                          unit=unit)
-    items = _entries(text)
-    if len(items) > 1:
-        return Answer("set", items=tuple(_answer(part) for part in items), unit=unit)
-    return Answer("expr", value=expression(text), percent=percent, unit=unit)
+            if _SIGN_CHOICE.search(text):
+                raise Refused("a tuple with \\pm")  # (\pm 1, \pm 2): two points or four?
+            return Answer("tuple", items=tuple(_answer(part) for part in inner), brackets=text[0] + text[-1])
+    if _SIGN_CHOICE.search(text):  # 1 \pm \sqrt{2}: both signs, every \pm the same (\mp the other)
+        signs = ({"pm": "+", "mp": "-"}, {"pm": "-", "mp": "+"})
+        values = (expression(_SIGN_CHOICE.sub(lambda m, s=sign: s[m.group(1)], text)) for sign in signs)
+        return Answer("set", items=tuple(Answer("expr", value=value) for value in values), brackets="\\pm")
+    return Answer("expr", value=expression(text), percent=percent)
+
+
+def _spliced(answers: Any) -> tuple[Answer, ...]:
+    """A list's items, the two values of each ``\\pm`` item in its place; refused past MAX_ITEMS."""
+    items: list[Answer] = []
+    for answer in answers:
+        items.extend(answer.items if answer.kind == "set" and answer.brackets == "\\pm" else (answer,))
+    if len(items) > MAX_ITEMS:
+        raise Refused("a list too long")
+    return tuple(items)
 
 
 def _entries(text: str) -> list[str]:
@@ -481,17 +571,21 @@ def equivalent(predicted: str, reference: str) -> bool:
 
 
 def _same(a: Answer, b: Answer) -> bool:
-    if (a.unit and b.unit and a.unit != b.unit) or (a.variable and b.variable and a.variable != b.variable):
-        return False  # 5 cm is not 5 m, the line x = 3 not y = 3
-    if a.kind != b.kind:
-        return False
+    if a.unit and b.unit and a.unit != b.unit:
+        return False  # 5 cm is not 5 m
+    if a.variable and b.variable and a.variable != b.variable:  # the line x = 3 is not y = 3, but y = x is x = y
+        return a.kind == b.kind == "expr" and _proportional(_equation(a), _equation(b))
+    if a.kind != b.kind:  # x - 3 = 0 is x = 3 (not 3 alone: an equation is no value)
+        named = a if a.kind == "expr" else b
+        return {a.kind, b.kind} == {"eq", "expr"} and bool(named.variable) and not named.percent and \
+            _proportional((b if named is a else a).value, _equation(named))
     if a.kind == "expr":
         if a.percent != b.percent:  # 25\% against 25 or against 0.25
             percent, other = (a, b) if a.percent else (b, a)
             return _equal(percent.value, other.value) or _equal(percent.value / 100, other.value)
         return _equal(a.value, b.value)
     if a.kind == "eq":
-        return _equal(a.value, b.value) or _equal(a.value, -b.value)
+        return _proportional(a.value, b.value)
     if a.kind == "tuple":
         return a.brackets == b.brackets and len(a.items) == len(b.items) and \
             all(_same(x, y) for x, y in zip(a.items, b.items))
@@ -509,6 +603,29 @@ def _matched(xs: Sequence[Answer], ys: Sequence[Answer]) -> bool:
             return False
         left.pop(match)
     return True
+
+
+def _equation(named: Answer) -> Any:
+    """``x = v`` as the lhs - rhs of an equation: x - v."""
+    import sympy
+
+    return sympy.Symbol(named.variable) - named.value
+
+
+def _proportional(a: Any, b: Any) -> bool:
+    """Whether the equations ``a = 0`` and ``b = 0`` are the same one scaled: ``a`` is a non-zero constant times
+    ``b`` (``2x = 6`` is ``x = 3``, ``y = 2x + 1`` is ``2x - y + 1 = 0``; ``(x - 3)^2 = 0`` is not ``x = 3``, whose
+    solution set it shares: equations are not solved). Tested as ``a' b = a b'`` in every variable, by the identity
+    test, for ``a`` and ``b`` not 0 everywhere; an equation in no variable is none."""
+    import sympy
+
+    if _equal(a, b) or _equal(a, -b):
+        return True
+    variables = sorted(a.free_symbols | b.free_symbols, key=str)
+    zero = sympy.Integer(0)
+    if not variables or _equal(a, zero) or _equal(b, zero):
+        return False
+    return all(_equal(sympy.diff(a, v) * b, a * sympy.diff(b, v)) for v in variables)
 
 
 def _nonzero_at(sympy: Any, difference: Any, values: dict[Any, Any]) -> bool:
