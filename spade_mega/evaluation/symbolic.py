@@ -10,7 +10,7 @@ too), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit multiplication (
 number, the real root: ``\\sqrt[3]{-8}`` is -2; of an expression, sympy's principal root), ``n!`` and
 ``\\binom{n}{k}`` (``\\dbinom``, ``\\tbinom``, ``{n \\choose k}``) of natural numbers up to ``MAX_FACTORIAL`` or of
 expressions in variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ...
-``\\ln``, ``\\log_b`` and ``\\log`` (base 10, as competition answers, math-verify and Qwen2.5-Math's grader read
+``\\ln``, ``\\log_b`` and ``\\log`` (base 10, as math-verify and Qwen2.5-Math's grader, through latex2sympy, read
 it; ``\\ln`` is the natural logarithm), letters and Greek letters as variables (``x_1`` too), parentheses, brackets
 and braces as grouping. Around it: a tuple or interval ``(a, b]`` (brackets must match, compared element by
 element), a set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as sets, in any order;
@@ -328,7 +328,7 @@ class _Parser:
         else:
             argument = self.power()
         if name == "log" and base is None:
-            base = sp.Integer(10)  # a bare \log is the common logarithm, as competition answers and math-verify read it
+            base = sp.Integer(10)  # a bare \log is the common logarithm, as math-verify and Qwen2.5-Math read it
         if name == "exp":  # e^x, bounded as every power is
             value = _power(sp, sp.E, argument)
         elif base is None:
