@@ -17,6 +17,7 @@ adds nothing).
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -321,10 +322,23 @@ class Trainer:
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient of this step is finite, on every rank (the same answer everywhere). Megatron's
-        optimizers skip a step only under an fp16 loss scaler; in fp32 and bf16 they would apply a NaN or inf
-        gradient and write NaN into every weight. One inf-norm reduction per grad buffer (reduced gradients, in
-        fp32), no copy of it; NaN propagates through it."""
+        """Whether every gradient of this step is finite, and with clipping on their global norm too, on every rank
+        (the same answer everywhere). Megatron's optimizers skip a step only under an fp16 loss scaler; in fp32 and
+        bf16 they would apply a NaN or inf gradient and write NaN into every weight. One inf-norm reduction per grad
+        buffer (reduced gradients, in fp32), no copy of it; NaN propagates through it."""
+        return self._elements_finite() and (self.cfg.optimizer.clip_grad == 0 or self._norm_finite())
+
+    def _norm_finite(self) -> bool:
+        """Whether the global gradient norm that Megatron's clip divides by is finite. Finite gradients overflow it in
+        float32 (from ~1.8e19): the clip scales every gradient by max_norm / inf = 0 and the optimizer still steps,
+        Adam's moments moving the weights on zero gradients, its step count and the schedule advancing. The norm is
+        Megatron's own (get_grad_norm, the same on every rank) of the main gradients that prepare_grads copies in;
+        step() copies them again (idempotent without an fp16 loss scaler, which no config builds) and recomputes it
+        to clip: one more pass over the gradients per step."""
+        self.optimizer.prepare_grads()
+        return math.isfinite(float(self.optimizer.get_grad_norm()))
+
+    def _elements_finite(self) -> bool:
         norms = [torch.linalg.vector_norm(buffer.grad_data, ord=float("inf")).float().reshape(1)
                  for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers
                  if buffer.grad_data.numel()]
