@@ -22,7 +22,7 @@ from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config, to_dict
 from spade_mega.config.schema import LoggingConfig, WandbConfig
 from spade_mega.monitor import MetricsLogger
-from spade_mega.monitor.wandb_sink import FINISH_TIMEOUT_S, RUN_ID_FILE, _finish_timeout, require_wandb
+from spade_mega.monitor.wandb_sink import FINISH_TIMEOUT_S, RUN_ID_FILE, STEP_METRIC, _finish_timeout, require_wandb
 from sandbox_support import strict_missing
 from test_launch import _stand_in_env, _stand_in_job, _training_step_is
 
@@ -90,8 +90,14 @@ def _wandb_runs(files: Path) -> list[tuple[dict, list[dict]]]:
 
 
 def _ours(item: dict) -> dict:
-    """A history item without wandb's own keys (_step, _runtime, _timestamp)."""
-    return {k: v for k, v in item.items() if not k.startswith("_")}
+    """A history item without wandb's own keys (_step, _runtime, _timestamp) and the x-axis (``rollout``)."""
+    return {k: v for k, v in item.items() if not k.startswith("_") and k != STEP_METRIC}
+
+
+def _x_axes(records: list[dict]) -> dict:
+    """The run's define_metric records: metric name (or glob) -> its x-axis (None for the x-axis itself)."""
+    return {m.get("name") or m["glob_name"]: m.get("step_metric") for m in
+            (r["metric"] for r in records if r["type"] == "metric")}
 
 
 def _jsonl(run_dir: Path) -> list[dict]:
@@ -103,41 +109,58 @@ def test_an_offline_wandb_run_holds_the_jsonl_records_and_the_resolved_config(tm
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [0, 1, 2, 3], project='spade-test', group='ablation', "
                         "tags=['t1', 't2'])", _env(tmp_path))
     [(run, history)] = _wandb_runs(tmp_path / "wandb-files")
+    [records] = _wandb_records(tmp_path / "wandb-files")
+    assert _x_axes(records) == {"rollout": None, "*": "rollout"}  # every metric is drawn over the rollout
     assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
     assert (run["project"], run["run_group"], run["display_name"], run["tags"]) == \
         ("spade-test", "ablation", "tiny", ["t1", "t2"])
     config = run["config"]["update"]
     assert (config["run"], config["rl"]) == ({"name": "w"}, {"kl": 0})
-    # step for step and name for name what metrics.jsonl holds (NaN written alike: the string "NaN")
+    # record for record and name for name what metrics.jsonl holds (NaN written alike: the string "NaN")
     records = _jsonl(run_dir)
-    assert [item["_step"] for item in history] == [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [item["rollout"] for item in history] == [r["step"] for r in records] == [0, 1, 2, 3]
     assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}
                                                  for r in records]
     assert history[2]["train/loss"] == "NaN" and history[3]["envs/designer"] == 3
     assert math.isclose(history[3]["train/loss"], 1 / 3)
 
 
+# the resumed attempt first redoes the evaluation of its checkpoint's rollout (the loop's _evaluation_missing)
+REDO_EVALUATION = """
+cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
+with MetricsLogger(RUN_DIR, cfg, resume_step=2) as m:
+    m.log(2, {"eval/arithmetic/accuracy": 0.5})
+    for s in (3, 4):
+        m.log(s, {"agent/return": s / 4})
+"""
+
+
 def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_path: Path) -> None:
-    """An attempt that dies after rollout 3 (checkpoint at 2) and its requeued job resuming from step 2 log to one
-    W&B run; starting the run over (no checkpoint) in the same directory logs to a new one."""
+    """An attempt that dies after rollout 3 (checkpoint at 2, its evaluation not logged) and its requeued job
+    resuming from step 2 log to one W&B run, on the same x-axis: the redone evaluation of rollout 2 lands at rollout
+    2, although W&B holds rows up to 3 (an online W&B run ignores a row logged at an earlier step=). Starting the run
+    over (no checkpoint) in the same directory logs to a new one."""
     run_dir = tmp_path / "runs" / "tiny"
     env = _env(tmp_path, WANDB_PROJECT="from-env")  # logging.wandb.project unset: W&B's own variable decides
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1, 2, 3])", env)
     first_id = (run_dir / RUN_ID_FILE).read_text().strip()
-    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [3, 4], resume_step=2)", env)
+    _python(LOG_STEPS + f"RUN_DIR = {str(run_dir)!r}" + REDO_EVALUATION, env)
     assert (run_dir / RUN_ID_FILE).read_text().strip() == first_id
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1])", env)
     new_id = (run_dir / RUN_ID_FILE).read_text().strip()
     attempts = _wandb_runs(tmp_path / "wandb-files")
-    assert [(run["run_id"], [item["_step"] for item in history]) for run, history in attempts] == \
-        [(first_id, [1, 2, 3]), (first_id, [3, 4]), (new_id, [1])]
+    assert [(run["run_id"], [item["rollout"] for item in history]) for run, history in attempts] == \
+        [(first_id, [1, 2, 3]), (first_id, [2, 3, 4]), (new_id, [1])]
+    assert _ours(attempts[1][1][0]) == {"eval/arithmetic/accuracy": 0.5}
+    assert all(_x_axes(records) == {"rollout": None, "*": "rollout"}
+               for records in _wandb_records(tmp_path / "wandb-files"))
     assert new_id != first_id and attempts[1][0]["resume"]
     assert {run["project"] for run, _ in attempts} == {"from-env"}
 
 
-def test_a_second_record_of_a_step_joins_its_wandb_row(tmp_path: Path) -> None:
-    """The loop logs a rollout's metrics, then its evaluation scores as a second record of the same step: both
-    reach that step's W&B row (committing each record would make W&B drop the scores)."""
+def test_a_second_record_of_a_step_is_a_row_at_its_rollout(tmp_path: Path) -> None:
+    """The loop logs a rollout's metrics, then its evaluation scores as a second record of the same step: each is
+    a W&B row of its own, sent at once (no row kept open for a later record), both at that rollout."""
     code = LOG_STEPS + f"""
 cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
 with MetricsLogger({str(tmp_path / 'run')!r}, cfg) as m:
@@ -147,8 +170,8 @@ with MetricsLogger({str(tmp_path / 'run')!r}, cfg) as m:
 """
     _python(code, _env(tmp_path))
     [(_, history)] = _wandb_runs(tmp_path / "wandb-files")
-    assert [(item["_step"], _ours(item)) for item in history] == \
-        [(1, {"agent/return": 0.5, "eval/arithmetic/accuracy": 0.25}), (2, {"agent/return": 1.0})]
+    assert [(item["rollout"], _ours(item)) for item in history] == \
+        [(1, {"agent/return": 0.5}), (1, {"eval/arithmetic/accuracy": 0.25}), (2, {"agent/return": 1.0})]
 
 
 def test_a_run_that_ends_by_an_error_is_failed_in_wandb_and_its_resumed_attempt_finished(tmp_path: Path) -> None:
@@ -193,7 +216,7 @@ def test_a_training_run_logs_its_records_and_resolved_config_to_wandb(tmp_path: 
     assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
     assert (run["project"], run["display_name"], run["tags"]) == ("spade-mega", "tiny_cpu", ["cpu"])
     records = _jsonl(run_dir)
-    assert [item["_step"] for item in history] == [r["step"] for r in records] == [1, 2]
+    assert [item["rollout"] for item in history] == [r["step"] for r in records] == [1, 2]
     assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}
                                                  for r in records]
     assert {"agent/return", "train/loss", "time/rollout_s"} <= set(history[0])
@@ -366,7 +389,7 @@ def test_wandb_failing_at_start_stops_a_new_run_and_not_a_resumed_one(tmp_path: 
     proc = subprocess.run([sys.executable, "-c", INIT_FAILS, str(run_dir)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=_env(tmp_path, WANDB_MODE="online", HOME=str(tmp_path / "home")))
     assert proc.returncode == 0 and "trained on" in proc.stdout, proc.stderr[-4000:]
-    assert "refused: logging.wandb: wandb.init failed" in proc.stdout and "wandb login" in proc.stdout
+    assert "refused: logging.wandb: online mode and no W&B API key" in proc.stdout and "wandb login" in proc.stdout
     assert proc.stderr.count("W&B logging failed") == 1, proc.stderr[-4000:]
     assert [r["step"] for r in _jsonl(run_dir)] == [3, 4]
 
@@ -374,14 +397,13 @@ def test_wandb_failing_at_start_stops_a_new_run_and_not_a_resumed_one(tmp_path: 
 # `spade-mega train` with logging.wandb on, in a process where wandb cannot be imported (sys.modules['wandb'] = None
 # makes every `import wandb` raise ImportError, as for a package that is not installed); building the trainer or
 # starting torch.distributed leaves a mark
-MISSING = """
+SPY_BUILD = """
 import pathlib, sys
-sys.modules["wandb"] = None
 import spade_mega.selfplay.loop as loop
 from spade_mega.cli import main
 
 mark = pathlib.Path(sys.argv[1])
-for name in ("Trainer", "init_distributed"):
+for name in SPIED:
     built = getattr(loop, name)
     def spy(*args, _built=built, _name=name, **kwargs):
         mark.write_text(_name)
@@ -389,6 +411,7 @@ for name in ("Trainer", "init_distributed"):
     setattr(loop, name, spy)
 sys.exit(main(sys.argv[2:]))
 """
+MISSING = 'import sys\nsys.modules["wandb"] = None\nSPIED = ("Trainer", "init_distributed")\n' + SPY_BUILD
 
 
 @pytest.mark.slow
@@ -400,6 +423,79 @@ def test_without_the_wandb_extra_the_run_fails_at_start_naming_it(tmp_path: Path
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert "pip install 'spade-mega[wandb]'" in proc.stderr and "logging.wandb.enabled" in proc.stderr
     assert not mark.exists() and not (tmp_path / "runs").exists()  # nothing built, nothing written
+
+
+@pytest.mark.multiproc
+def test_a_new_run_whose_wandb_cannot_start_stops_every_rank_before_the_model_is_built(tmp_path: Path) -> None:
+    """Two ranks of `spade-mega train` (started as srun starts its tasks), online W&B with a key but no network:
+    wandb.init fails on rank 0 within logging's start, before the trainer is built, and both ranks stop with that
+    error in one line (exit 2); rank 1 does not wait for rank 0 in a collective. WANDB_INIT_TIMEOUT shortens wandb's
+    90 s wait for its server."""
+    from spade_mega.inference.server import free_port
+
+    env = _env(tmp_path, WANDB_MODE="online", WANDB_API_KEY="local-" + "5ecret" * 7, WANDB_INIT_TIMEOUT="5",
+               HOME=str(tmp_path / "home"), WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}",  # nothing listens
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    code = 'SPIED = ("Trainer",)\n' + SPY_BUILD
+    marks = [tmp_path / f"built-{r}" for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(marks[r]), "train", str(TINY),
+                               f"run.output_dir={tmp_path / 'runs'}", "logging.wandb.enabled=true"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+    errors = [rank.communicate(timeout=240)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2], errors
+    refused = "logging.wandb: wandb.init failed for run id "
+    lasts = [error.strip().splitlines()[-1] for error in errors]
+    assert lasts[0].startswith(f"spade-mega: error: {refused}") and "connection refused" in lasts[0], errors[0]
+    assert "logging.wandb.mode=offline" in lasts[0]
+    assert lasts[1].startswith(f"spade-mega: error: rank 0 failed, so rank 1 stops too: WandbError: {refused}"), \
+        errors[1]
+    assert not any(mark.exists() for mark in marks)  # no rank built its model
+
+
+# `spade-mega train`'s W&B start on a terminal (an interactive srun, torchrun in a shell): online, no API key
+ON_A_TERMINAL = LOG_STEPS + """
+from spade_mega.monitor import WandbError
+try:
+    log_steps(sys.argv[1], [1], mode="online")
+except WandbError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_an_online_run_without_an_api_key_on_a_terminal_fails_instead_of_prompting(tmp_path: Path) -> None:
+    """wandb.init asks for an API key when stdin and stderr are a terminal, and waits for the answer (measured:
+    still waiting after 40 s): a job would hang there on rank 0. It fails at once, saying how to log in or go
+    offline. The process gets a real pseudo-terminal, and wandb's output is not silenced (silent mode never asks)."""
+    import pty
+    import select
+    import time
+
+    (tmp_path / "home").mkdir()
+    env = _env(tmp_path, WANDB_MODE="online", HOME=str(tmp_path / "home"), TERM="xterm")
+    del env["WANDB_SILENT"]
+    terminal, child_end = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", ON_A_TERMINAL, str(tmp_path / "run")], stdin=child_end,
+                            stdout=subprocess.PIPE, stderr=child_end, text=True, cwd=ROOT, env=env)
+    os.close(child_end)
+    shown, began = b"", time.monotonic()
+    try:
+        while proc.poll() is None and time.monotonic() - began < 60:  # drain the terminal: a full one blocks too
+            if select.select([terminal], [], [], 0.5)[0]:
+                try:
+                    shown += os.read(terminal, 65536)
+                except OSError:  # the child closed its end
+                    break
+        assert proc.poll() is not None, f"still running after 60 s; the terminal shows {shown[-500:]!r}"
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(terminal)
+    assert proc.returncode == 0 and "refused: logging.wandb: online mode and no W&B API key" in out, (out, shown)
+    assert "wandb login" in out and "logging.wandb.mode=offline" in out
+    assert b"Enter your choice" not in shown
 
 
 def test_a_disabled_wandb_needs_no_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,26 +1,28 @@
-"""Weights & Biases sink: the records of ``metrics.jsonl``, name for name and step for step, sent to a W&B run.
+"""Weights & Biases sink: the records of ``metrics.jsonl``, name for name and record for record, sent to a W&B run.
 
 wandb is an optional extra (``pip install 'spade-mega[wandb]'``), imported only when ``logging.wandb`` is on: without
 it, importing spade_mega.monitor never imports wandb. :func:`require_wandb` lets a run fail at its start, before the
 model is built, when the setting is on and the package is missing.
 
+Every record is one W&B row, logged at once, with the record's step as the metric ``rollout``: W&B's x-axis for every
+metric (``define_metric``), not W&B's own ``_step``. W&B ignores a row logged at an earlier ``_step`` than its last,
+so a record that comes late (the evaluation a resumed run redoes after a SIGUSR1 stop, or a rollout's evaluation
+scores, a second record of its step) would be lost with ``step=``; with its own x-axis each lands at its rollout.
+
 One W&B run per spade-mega run: its id is kept in ``run_dir/wandb_run_id``. A run resumed from a checkpoint (requeued
-by SLURM, or started again by hand) passes ``resume_step`` and continues that W&B run (``resume="allow"``); a new run
-in the directory (its JSONL records are set aside) starts a new W&B run. W&B's history only grows: steps the
-interrupted attempt sent after its last checkpoint stay there, and W&B ignores this attempt's records of those steps
-(metrics.jsonl and TensorBoard show this attempt's).
+by SLURM, or started again by hand) passes ``resume_step`` and continues that W&B run (``resume="allow"``) on the same
+x-axis; a new run in the directory (its JSONL records are set aside) starts a new W&B run. W&B's history only grows:
+rows the interrupted attempt sent after its last checkpoint stay there, so those rollouts show both attempts' values
+(metrics.jsonl and TensorBoard keep this attempt's).
 
-A step's W&B row stays open until a later step (or the run's end) arrives, because the loop writes a rollout's
-evaluation scores as a second record of its step, after the rollout's own (a committed step takes nothing more: W&B
-drops it). So the W&B charts run one record behind metrics.jsonl, and a job killed outright (no close) leaves its
-last record out of W&B; metrics.jsonl has it.
-
-Failures: wandb.init failing at the start of a new run (no API key, no network in online mode) stops the run there,
-before its first rollout, naming the setting. Any W&B error after that (its service process gone, say), and a failing
-wandb.init when resuming (a requeued job meeting a W&B outage), is said once; the sink then goes quiet and
-metrics.jsonl and TensorBoard go on, so monitoring never kills training. Nor does it hold the job's nodes: at the
-run's end W&B uploads what it still holds and, with the network down, retries for many minutes; ``finish_timeout_s``
-(default 120 s) bounds that wait, and what is left stays in the run's W&B files for ``wandb sync``.
+Failures: a new run whose W&B cannot start (the package missing, online mode without an API key, wandb.init failing:
+a bad entity, no network) stops before the model is built, on every rank (the loop opens the logger first). An online
+run never asks for an API key: on a terminal wandb would prompt for one and the job would wait there. Any W&B error
+after that (its service process gone, say), and a failing start when resuming (a requeued job meeting a W&B outage),
+is said once; the sink then goes quiet and metrics.jsonl and TensorBoard go on, so monitoring never kills training.
+Nor does it hold the job's nodes: at the run's end W&B uploads what it still holds and, with the network down, retries
+for many minutes; ``finish_timeout_s`` (default 120 s) bounds that wait, and what is left stays in the run's W&B files
+for ``wandb sync``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ log = logging.getLogger("spade_mega.monitor")
 WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
 DEFAULT_PROJECT = "spade-mega"
 RUN_ID_FILE = "wandb_run_id"
+STEP_METRIC = "rollout"  # W&B's x-axis: the record's step; metric names hold a '/', so none is called this
 FINISH_TIMEOUT_S = 120.0  # logging.wandb.finish_timeout_s unset and no $WANDB_FINISH_TIMEOUT
 _ID_CHARS = string.ascii_lowercase + string.digits  # W&B's own run id alphabet
 
@@ -89,8 +92,30 @@ def _finish_timeout(cfg: WandbConfig) -> Optional[float]:
     return None if os.environ.get("WANDB_FINISH_TIMEOUT") else FINISH_TIMEOUT_S
 
 
+def _said(exc: BaseException) -> str:
+    """An exception in one line: wandb's errors carry the Go side's retry log on further lines."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+class MissingApiKey(Exception):
+    """An online run without W&B credentials (looked up without asking for them)."""
+
+
+def _check_credentials(wandb: ModuleType, mode: Optional[str]) -> None:
+    """An online run needs an API key found without a prompt: wandb.init asks for one when stdin and stderr are a
+    terminal (an interactive srun, torchrun in a shell), and the job would wait there, on rank 0 alone."""
+    settings = wandb.setup(wandb.Settings(mode=mode) if mode else None).settings  # with $WANDB_MODE, `wandb offline`
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return
+    if not wandb.login(prompt=False, verify=False):
+        raise MissingApiKey(f"online mode and no W&B API key for {settings.base_url}: run `wandb login` once (it "
+                            "writes ~/.netrc, which every node of a shared home reads) or export WANDB_API_KEY, or "
+                            "set logging.wandb.mode=offline and `wandb sync` the run later")
+
+
 class WandbSink:
-    """Sends each record to a W&B run, step = the record's step; see the module docstring for resume and failures."""
+    """Sends each record to a W&B run as one row at ``rollout`` = the record's step; see the module docstring for
+    resume and failures."""
 
     def __init__(self, run_dir: Path, cfg: WandbConfig, resume_step: Optional[int],
                  run_config: Optional[Mapping[str, Any]] = None) -> None:
@@ -100,6 +125,7 @@ class WandbSink:
         finish_timeout = _finish_timeout(cfg)
         self._run: Any = None
         try:
+            _check_credentials(self._wandb, cfg.mode)
             self._run = self._wandb.init(
                 project=project, entity=cfg.entity, group=cfg.group, name=cfg.name or run_dir.name,
                 tags=list(cfg.tags) or None, mode=cfg.mode, id=run_id, resume="allow",
@@ -108,11 +134,15 @@ class WandbSink:
                 dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
                 settings=self._wandb.Settings(finish_timeout_raises=True, **(
                     {} if finish_timeout is None else {"finish_timeout": finish_timeout})))
+            self._run.define_metric(STEP_METRIC)
+            self._run.define_metric("*", step_metric=STEP_METRIC)
         except Exception as exc:
             if resume_step is not None:  # a requeued job must not die of a W&B outage at its restart
                 self._stop(f"to start when resuming from step {resume_step}", exc)
                 return
-            raise WandbError(f"logging.wandb: wandb.init failed for run id {run_id} ({type(exc).__name__}: {exc}); "
+            if isinstance(exc, MissingApiKey):
+                raise WandbError(f"logging.wandb: {exc}") from None
+            raise WandbError(f"logging.wandb: wandb.init failed for run id {run_id} ({_said(exc)}); "
                              "online mode needs an API key (wandb login, or $WANDB_API_KEY) and the network, or set "
                              "logging.wandb.mode=offline and `wandb sync` the run later") from exc
         log.info("W&B run %s (project %s, mode %s)", run_id, project, self._run.settings.mode)
@@ -121,7 +151,7 @@ class WandbSink:
         if self._run is None:
             return
         try:
-            self._run.log(dict(metrics), step=step)  # not committed: a second record of the step may follow
+            self._run.log({STEP_METRIC: step, **metrics})  # its own row, at once: no step= (see the docstring)
         except Exception as exc:
             self._stop(f"at step {step}", exc)
 
@@ -140,8 +170,8 @@ class WandbSink:
 
     def _stop(self, when: str, exc: Exception) -> None:
         """Say it once, then stop: the W&B run ends here, the other sinks go on."""
-        log.warning("W&B logging failed %s (%s: %s) and is off for the rest of this run; metrics.jsonl and "
-                    "TensorBoard go on", when, type(exc).__name__, exc)
+        log.warning("W&B logging failed %s (%s) and is off for the rest of this run; metrics.jsonl and TensorBoard "
+                    "go on", when, _said(exc))
         self._run = None
         try:
             self._wandb.teardown()  # its service connection, or wandb's exit hook reports the same failure again

@@ -540,19 +540,29 @@ class SelfPlay:
             lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
             try:
                 state = self.store.read_state(checkpoint) if checkpoint is not None else None
-                trainer = Trainer(cfg, total_steps=self._steps_estimate())
-                actor = _from_rank0(self._start_actor, share=False)
-                try:
-                    return self._run(trainer, actor, checkpoint, state, stop)
-                finally:
-                    if actor is not None:
-                        actor.close()
+                # the metrics sinks start before the model is built: a new run whose W&B cannot start stops here, in
+                # seconds, every rank naming rank 0's error (an online wandb.init takes it a few seconds)
+                with self._open_metrics(state.rollout if checkpoint is not None and state is not None else None) \
+                        as metrics:
+                    trainer = Trainer(cfg, total_steps=self._steps_estimate())
+                    actor = _from_rank0(self._start_actor, share=False)
+                    try:
+                        return self._run(trainer, actor, checkpoint, state, stop, metrics)
+                    finally:
+                        if actor is not None:
+                            actor.close()
             finally:
                 if lock is not None:
                     lock.close()
 
+    def _open_metrics(self, resume_step: Optional[int]) -> MetricsLogger:
+        """The run's metrics logger on every rank, rank 0's writing; a sink failing to start there stops every rank."""
+        opened = _from_rank0(lambda: MetricsLogger(self.run_dir, self.cfg.logging, resume_step=resume_step,
+                                                   run_config=to_dict(self.cfg)), share=False)
+        return opened if opened is not None else MetricsLogger(self.run_dir, self.cfg.logging, resume_step=resume_step)
+
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
-             state: Optional[LoopState], stop: _StopSignal) -> RunSummary:
+             state: Optional[LoopState], stop: _StopSignal, metrics: MetricsLogger) -> RunSummary:
         from spade_mega.bridge import load_hf, sync_weights
 
         cfg = self.cfg
@@ -579,9 +589,7 @@ class SelfPlay:
         sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
-        with MetricsLogger(self.run_dir, cfg.logging, resume_step=start if checkpoint is not None else None,
-                           run_config=to_dict(cfg)) \
-                as metrics, RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
+        with RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
             if cfg.eval.before_train and checkpoint is None:  # the starting weights, at step 0
                 metrics.log(0, _from_rank0(lambda: actor.evaluate(), share=True))
             if checkpoint is not None and self._evaluation_missing(start):
