@@ -250,16 +250,17 @@ _WANDB_FORBIDDEN = set("/\\#?%:")  # characters W&B refuses in project and entit
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases logging (rank 0): metrics.jsonl's records, same names and steps (the rollout index), and the
-    resolved config; needs ``pip install 'spade-mega[wandb]'``. The W&B run id is kept in the run directory, so a
-    resumed or requeued run continues the same W&B run."""
+    """Weights & Biases logging (rank 0): metrics.jsonl's records, one row each with the same names, drawn over the
+    metric ``rollout`` (the record's step), and the resolved config; needs ``pip install 'spade-mega[wandb]'``. The
+    W&B run id is kept in the run directory, so a resumed or requeued run continues the same W&B run."""
 
     enabled: bool = False
     project: Optional[str] = None  # None = $WANDB_PROJECT, else spade-mega
     entity: Optional[str] = None  # team or user; None = $WANDB_ENTITY, else the API key's default entity
     group: Optional[str] = None  # groups runs in the W&B UI (a sweep, an ablation)
     name: Optional[str] = None  # display name; None = run.name
-    mode: Optional[Literal["online", "offline", "disabled"]] = None  # None = $WANDB_MODE, else online
+    # None = $WANDB_MODE, else online; online needs an API key (wandb login, $WANDB_API_KEY) and never prompts for one
+    mode: Optional[Literal["online", "offline", "disabled"]] = None
     tags: list[str] = field(default_factory=list)
     # how long the run's end waits for W&B to upload what it still holds (None = $WANDB_FINISH_TIMEOUT, else 120;
     # 0 = until all is uploaded): with the network down W&B retries for many minutes, holding the job's nodes
