@@ -97,6 +97,10 @@ SAME = [  # (answer the model boxed, reference)
     ("x \\in [-2, 7]", "[-2,7]"),
     ("k = 45, n = 2", "45, 2"),
     ("6 \\text{ and } 8", "6, 8"),
+    ("f(x) = 2x + 1", "2x+1"),  # a named function, as x = before a value
+    ("f^{-1}(x) = \\frac{x-3}{2}", "\\frac{x-3}{2}"),
+    ("\\mathbb{R}", "(-\\infty, \\infty)"),
+    ("1011_2", "1011_{2}"),  # a number in base 2, as text
 ]
 
 DIFFERENT = [  # (answer, reference): not the same value
@@ -170,6 +174,11 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("5\\text{ thousand dollars}", "5\\text{ dollars}"),
     ("x \\in [-2, 7]", "[-2, 7)"),
     ("6 \\text{ and } 8", "6"),
+    ("f(x) = 2x + 1", "2x - 1"),
+    ("f(3) = 5", "3"),
+    ("x(x+1) = 0", "0"),  # an equation, not a named value
+    ("\\mathbb{R}", "(0, \\infty)"),
+    ("1011_2", "1011_{3}"),
 ]
 
 

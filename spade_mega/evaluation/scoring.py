@@ -144,6 +144,7 @@ def normalise(answer: str) -> str:
     text = text.replace("\\cfrac", "\\frac")
     text = text.replace("{,}", ",").replace("\u2212", "-")  # a Unicode minus
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12
+    text = re.sub(r"_\{(\w)\}", r"_\1", text)  # 1011_{2} is 1011_2 (a number in base 2)
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
         text = text.replace(spacing, "")
     text = re.sub(r"\s+", "", text)

@@ -4,24 +4,25 @@ recursive-descent parser builds the expression from a fixed set of constructs, a
 caller then compares text).
 
 Translated: integers and decimals (exact rationals), repeating decimals (``0.1\\overline{6}`` is 1/6; ``\\bar``
-too), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit multiplication (``2\\sqrt{2}``, ``3\\pi``,
-``2x``, ``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character, as in LaTeX), ``\\frac`` / ``\\dfrac`` /
-``\\tfrac`` / ``\\cfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (for an odd n, of a negative
-number, the real root: ``\\sqrt[3]{-8}`` is -2; of an expression, sympy's principal root), ``n!`` and
-``\\binom{n}{k}`` (``\\dbinom``, ``\\tbinom``, ``{n \\choose k}``) of natural numbers up to ``MAX_FACTORIAL`` or of
-expressions in variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ...
-``\\ln``, ``\\log_b`` and ``\\log`` (base 10, as math-verify and Qwen2.5-Math's grader, through latex2sympy, read
-it; ``\\ln`` is the natural logarithm), letters and Greek letters as variables (``x_1`` too), parentheses, brackets
-and braces as grouping. Around it: a tuple or interval ``(a, b]`` (brackets must match, compared element by
-element), a set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as sets, in any order;
-its entries may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``, every ``\\pm`` taking
-the same sign and ``\\mp`` the other; in a list, its two values are two entries), a union ``A \\cup B``, an equation
-``y = 2x + 1`` (``x =`` or ``x \\in`` before a value is dropped, but ``x = 3`` is not ``y = 3``; two equations are the
-same when their ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``,
-but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``), a trailing percent
-sign (a percentage equals its number with or without the sign, and its number / 100 against a side without one),
-degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` (two different units never match; a scale word
-is a factor, not a unit: ``5\\text{ thousand}`` is 5000, never 5).
+too), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit multiplication (``2\\sqrt{2}``, ``3\\pi``, ``2x``,
+``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character, as in LaTeX), ``\\frac`` / ``\\dfrac`` /
+``\\tfrac`` / ``\\cfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (for an odd n, of a negative number,
+the real root: ``\\sqrt[3]{-8}`` is -2; of an expression, sympy's principal root), ``n!`` and ``\\binom{n}{k}``
+(``\\dbinom``, ``\\tbinom``, ``{n \\choose k}``) of natural numbers up to ``MAX_FACTORIAL`` or of expressions in
+variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ... ``\\ln``, ``\\log_b``
+and ``\\log`` (base 10, as math-verify and Qwen2.5-Math's grader, through latex2sympy, read it; ``\\ln`` is the
+natural logarithm), letters and Greek letters as variables (``x_1`` too), ``\\mathbb{R}`` (the interval),
+parentheses, brackets and braces as grouping. Around it: a tuple or interval ``(a, b]`` (brackets must match,
+compared element by element), a set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as
+sets, in any order; its entries may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``,
+every ``\\pm`` taking the same sign and ``\\mp`` the other; in a list, its two values are two entries), a union
+``A \\cup B``, an equation ``y = 2x + 1`` (``x =``, ``f(x) =`` or ``x \\in`` before a value is dropped, but
+``x = 3`` is not ``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to a non-zero constant
+factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``, but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a
+bare value, ``x - 3 = 0`` is not ``3``), a trailing percent sign (a percentage equals its number with or without the
+sign, and its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in
+``\\text{}`` (two different units never match; a scale word is a factor, not a unit: ``5\\text{ thousand}`` is 5000,
+never 5).
 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm`` in a tuple
@@ -75,7 +76,9 @@ _BINOMIALS = ("\\binom", "\\dbinom", "\\tbinom")
 _NOT_ATOMS = ("\\cdot", "\\times", "\\div", "\\cup", "\\choose")  # operators: no implicit product before them
 _DEGREES = re.compile(r"(\^\s*\{?\s*\\circ\s*\}?|°)$")
 _PERCENT = re.compile(r"\\?%$")
-_VARIABLE = re.compile(r"^[A-Za-z]\s*(?:=(?!=)|\\in(?![A-Za-z]))")  # "x = 5", "x \in [0, 1]": the value
+# "x = 5", "x \in [0, 1]", "f(x) = 2x", "f^{-1}(x, 2) = x/2": the value, named (not "x(x+1) = 0": an equation)
+_VARIABLE = re.compile(r"^(?P<name>[A-Za-z](?:\^\{-1\}|\^-1)?(?:\s*\(\s*\w(?:\s*,\s*\w)*\s*\))?)"
+                       r"\s*(?:=(?!=)|\\in(?![A-Za-z]))")
 _SIGN_CHOICE = re.compile(r"\\(pm|mp)(?![A-Za-z])")  # 1 \pm \sqrt{2}: two values (not \pmod)
 SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
 
@@ -104,7 +107,7 @@ def clean(answer: str) -> str:
     text = unwrap(answer.strip().replace("\u2212", "-").replace("{,}", ","), spaced=True)
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("\\cfrac", "\\frac").replace("\\!", "").replace("\\$", "").replace("$", "")
-    text = text.replace("\\displaystyle", "")
+    text = text.replace("\\displaystyle", "").replace("\\mathbb{R}", "(-\\infty, \\infty)")
     for spacing in ("\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad"):
         text = text.replace(spacing, " ")
     return text.strip().rstrip(".").strip()
@@ -498,12 +501,13 @@ def _structure(raw: str, top: bool) -> Answer:
     percent = _PERCENT.search(text) is not None
     text = _PERCENT.sub("", text).strip()
     named = _VARIABLE.match(text) if top else None
+    name = "".join(named.group("name").split()) if named is not None else ""
     if named is not None and "=" not in text[named.end():]:  # "x = 5" is 5; "x = y = 5" is refused below
         value = _answer(text[named.end():].strip())
         if value.kind == "set":  # x = \pm 2, x = 1, 2: each value is x's (not y's)
-            items = tuple(replace(item, variable=item.variable or text[0]) for item in value.items)
+            items = tuple(replace(item, variable=item.variable or name) for item in value.items)
             value = replace(value, items=items)
-        return replace(value, percent=value.percent or percent, variable=text[0])
+        return replace(value, percent=value.percent or percent, variable=name)
     if not text:
         raise Refused("empty")
     union = _top_level(text, "\\cup")
