@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
-from spade_mega.evaluation.symbolic import SCALES, unwrap
+from spade_mega.evaluation.symbolic import scale_word, unwrap
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
@@ -182,7 +182,7 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
     if _LIST_COMMA.search(answer):
         return None
     unit = _UNIT.search(answer)
-    if unit is not None and unit.group(1).split()[0].lower() in SCALES:
+    if unit is not None and scale_word(unit.group(1).split()[0]):
         return None  # 5\text{ thousand} is no 5 in thousands: symbolic.py reads the factor
     if unit is not None and (unit.start() == 0 or unit.group(1) in _CONSTANTS):
         unit = None

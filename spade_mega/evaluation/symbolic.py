@@ -80,7 +80,7 @@ _PERCENT = re.compile(r"\\?%$")
 _VARIABLE = re.compile(r"^(?P<name>[A-Za-z](?:\^\{-1\}|\^-1)?(?:\s*\(\s*\w(?:\s*,\s*\w)*\s*\))?)"
                        r"\s*(?:=(?!=)|\\in(?![A-Za-z]))")
 _SIGN_CHOICE = re.compile(r"\\(pm|mp)(?![A-Za-z])")  # 1 \pm \sqrt{2}: two values (not \pmod)
-SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
+_SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
 
 
 class Refused(Exception):
@@ -463,6 +463,11 @@ _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _AND = re.compile(r",?\s*(?:\\text\s*\{\s*and\s*\}|\band\b)\s*")  # "6 \text{ and } 8" lists 6, 8
 
 
+def scale_word(word: str) -> int:
+    """The power of ten a scale word multiplies by (``thousand``, ``Millions``: 3, 6), else 0."""
+    return _SCALES.get(word.lower().removesuffix("s"), 0)
+
+
 def parse_answer(answer: str) -> Optional[Answer]:
     """The structure and values of ``answer``; None when any part of it is refused (see the module docstring)."""
     if len(answer) > MAX_CHARS:
@@ -480,8 +485,9 @@ def _answer(raw: str, top: bool = False) -> Answer:
     found = _UNIT.search(raw)
     if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
         words = found.group(1).split()
-        if words[0].lower() in SCALES:
-            scale = SCALES[words.pop(0).lower()]
+        scale = scale_word(words[0])
+        if scale:
+            words.pop(0)
         unit, raw = " ".join(words), raw[:found.start()]
     answer = _structure(raw, top)
     if scale:
