@@ -4,7 +4,11 @@ percentage read three ways), hedges score 0 in every scorer, and a pathological 
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spade_mega.evaluation.scoring import MAX_ANSWERS, SCORERS, boxed_answers, final_answer, stated_answers
 from spade_mega.evaluation.symbolic import MAX_CHARS, MAX_FACTORIAL, MAX_ITEMS, expression, parse_answer
@@ -279,3 +283,34 @@ def test_what_the_translation_refuses() -> None:
     assert parse_answer("5\\text{ thousand}").value == 5000 and parse_answer("5\\text{ thousand}").unit == ""
     assert expression("2\\sqrt{2}") == expression("\\sqrt{8}")
     assert str(expression("\\frac12 + x_1 \\cdot \\alpha")) == "alpha*x_1 + 1/2"
+
+
+def _repeating_decimal(p: int, q: int) -> str:
+    """p/q (0 < p/q) written by long division, its period in \\overline{} (an independent reading of the notation)."""
+    whole, remainder = divmod(p, q)
+    digits, seen = "", {}
+    while remainder and remainder not in seen:
+        seen[remainder] = len(digits)
+        digit, remainder = divmod(remainder * 10, q)
+        digits += str(digit)
+    if not remainder:
+        return f"{whole}.{digits or 0}"
+    start = seen[remainder]
+    return f"{whole}.{digits[:start]}\\overline{{{digits[start:]}}}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.integers(2, 60), st.integers(0, 12))
+def test_the_notations_read_as_their_values(p: int, q: int, n: int) -> None:
+    """Repeating decimals, factorials, binomials and real odd roots against values computed apart from them; the
+    next value is never taken for them."""
+    decimal = _repeating_decimal(p, q)
+    assert SCORERS["boxed"](f"\\boxed{{{decimal}}}", f"\\frac{{{p}}}{{{q}}}")[1], decimal
+    assert not SCORERS["boxed"](f"\\boxed{{{decimal}}}", f"\\frac{{{p + 1}}}{{{q}}}")[1], decimal
+    k = p % (n + 1)
+    for notation, value in ((f"{n}!", math.factorial(n)), (f"\\binom{{{n}}}{{{k}}}", math.comb(n, k)),
+                            (f"{{{n} \\choose {k}}}", math.comb(n, k)), (f"\\sqrt[3]{{-{p ** 3}}}", -p),
+                            (f"\\pm {p}", f"{-p}, {p}")):
+        assert SCORERS["boxed"](f"\\boxed{{{notation}}}", str(value))[1], notation
+        wrong = value + 1 if isinstance(value, int) else f"{-p}, {p + 1}"
+        assert not SCORERS["boxed"](f"\\boxed{{{notation}}}", str(wrong))[1], notation
