@@ -106,6 +106,13 @@ SAME = [  # (answer the model boxed, reference)
     ("f^{-1}(x) = \\frac{x-3}{2}", "\\frac{x-3}{2}"),
     ("\\mathbb{R}", "(-\\infty, \\infty)"),
     ("1011_2", "1011_{2}"),  # a number in base 2, as text
+    ("x \\leq 3", "x \\le 3"),  # inequalities, as text
+    ("x <= 3", "x \\leqslant 3"),
+    ("x \\neq 3", "x != 3"),
+    ("x ≤ 3", "x \\le 3"),
+    ("\\varnothing", "\\left\\{ \\right\\}"),
+    ("2π", "2\\pi"),  # Unicode symbols
+    ("3×4", "12"),
 ]
 
 DIFFERENT = [  # (answer, reference): not the same value
@@ -185,6 +192,10 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x(x+1) = 0", "0"),  # an equation, not a named value
     ("\\mathbb{R}", "(0, \\infty)"),
     ("1011_2", "1011_{3}"),
+    ("x \\geq 3", "x \\le 3"),
+    ("x < 3", "x > 3"),
+    ("\\emptyset", "\\{0\\}"),
+    ("2π", "\\pi"),
 ]
 
 

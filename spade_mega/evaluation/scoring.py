@@ -11,8 +11,8 @@ completion and *compares* it with the reference answer.
   ``\\%``, ``^\\circ`` and a trailing unit in ``\\text{}`` / ``\\textnormal{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are
   formatting, MATH's answers drop them, except that two different units or variables never match: ``5\\text{ cm}``
   is not ``5\\text{ m}``, ``x = 3`` not ``y = 3``; a scale word, ``5\\text{ thousand}``, is no unit); as text
-  after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop); else
-  symbolically (``symbolic.py``: ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` =
+  after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop,
+  ``\\leq`` = ``<=``, ``\\varnothing`` = ``\\{\\}``, Unicode ``π``); else symbolically (``symbolic.py``: ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` =
   ``120``, ``x - 3 = 0`` = ``x = 3``, tuples element by element, never ``1.414`` = ``\\sqrt{2}``). A reference holding
   a ``\\boxed{}`` (a worked solution) is its boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
-from spade_mega.evaluation.symbolic import scale_word, unwrap
+from spade_mega.evaluation.symbolic import latex_symbols, scale_word, unwrap
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
@@ -139,15 +139,18 @@ def _maths_answer(reply: str) -> Optional[str]:
 
 def normalise(answer: str) -> str:
     """Text of an answer with formatting that does not change its value removed."""
-    text = unwrap(answer.strip())
+    text = unwrap(latex_symbols(answer.strip()))
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("\\cfrac", "\\frac")
-    text = text.replace("{,}", ",").replace("\u2212", "-")  # a Unicode minus
+    text = text.replace("{,}", ",")
+    text = re.sub(r"\\([lg]e|ne)q(?:slant)?(?![A-Za-z])", r"\\\1", text)  # \leq, \leqslant: \le
+    text = re.sub(r"\\([lg])t(?![A-Za-z])", lambda m: "<" if m.group(1) == "l" else ">", text)  # \lt: <
+    text = text.replace("<=", "\\le ").replace(">=", "\\ge ").replace("!=", "\\ne ")
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12
     text = re.sub(r"_\{(\w)\}", r"_\1", text)  # 1011_{2} is 1011_2 (a number in base 2)
     for spacing in ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "$"):
         text = text.replace(spacing, "")
-    text = re.sub(r"\s+", "", text)
+    text = re.sub(r"\s+", "", text).replace("\\varnothing", "\\emptyset").replace("\\{\\}", "\\emptyset")
     return text.rstrip(".").strip()
 
 

@@ -101,10 +101,21 @@ def unwrap(text: str, *, spaced: bool = False) -> str:
     return text
 
 
+_UNICODE = {"\u2212": "-", "π": "\\pi ", "∞": "\\infty ", "×": "\\times ", "·": "\\cdot ", "≤": "\\le ",
+            "≥": "\\ge ", "≠": "\\ne "}
+
+
+def latex_symbols(text: str) -> str:
+    """``text`` with the Unicode maths symbols models write (``2π``, ``3×4``, a Unicode minus) as LaTeX."""
+    for symbol, command in _UNICODE.items():
+        text = text.replace(symbol, command)
+    return text
+
+
 def clean(answer: str) -> str:
     """LaTeX of an answer without what never changes its value: ``$``, ``\\left``/``\\right``, ``\\dfrac``, spacing
     commands, text wrappers (their content kept), a trailing full stop."""
-    text = unwrap(answer.strip().replace("\u2212", "-").replace("{,}", ","), spaced=True)
+    text = unwrap(latex_symbols(answer.strip()).replace("{,}", ","), spaced=True)
     text = text.replace("\\left", "").replace("\\right", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = text.replace("\\cfrac", "\\frac").replace("\\!", "").replace("\\$", "").replace("$", "")
     text = text.replace("\\displaystyle", "").replace("\\mathbb{R}", "(-\\infty, \\infty)")
