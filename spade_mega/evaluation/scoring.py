@@ -12,9 +12,10 @@ completion and *compares* it with the reference answer.
   formatting, MATH's answers drop them, except that two different units or variables never match: ``5\\text{ cm}``
   is not ``5\\text{ m}``, ``x = 3`` not ``y = 3``; a scale word, ``5\\text{ thousand}``, is no unit); as text
   after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop,
-  ``\\leq`` = ``<=``, ``\\varnothing`` = ``\\{\\}``, Unicode ``π``); else symbolically (``symbolic.py``: ``2^{10}`` = ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` =
-  ``120``, ``x - 3 = 0`` = ``x = 3``, tuples element by element, never ``1.414`` = ``\\sqrt{2}``). A reference holding
-  a ``\\boxed{}`` (a worked solution) is its boxed answer.
+  ``\\leq`` = ``<=``, ``\\varnothing`` = ``\\{\\}``, Unicode ``π``); else symbolically (``symbolic.py``: ``2^{10}`` =
+  ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` = ``120``, ``x - 3 = 0`` = ``x = 3``, tuples
+  element by element, never ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its
+  boxed answer.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
   hedge, ``A or B``, nor do two different boxed letters, nor a reply whose last box was cut off), or a reply that is
