@@ -371,6 +371,11 @@ class RLConfig:
     entropy_coef: float = 0.0
     adv_std_normalize: bool = True  # agent advantages only; designer advantages are never divided by a std
     adv_eps: float = 1e-6
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups): an environment's agent group whose rewards are all equal
+    # (always won, always lost) has advantage 0 everywhere; true drops its samples from the optimizer steps instead of
+    # letting them dilute the token mean. Designer samples are never dropped; returns, win rates, regret and the
+    # designer's reward still count every play (README, Training: dynamic sampling). Off in the SPADE recipe.
+    filter_zero_std_groups: bool = False
 
     def check(self) -> None:
         _require(0.0 < self.eps_clip_low < 1.0, "rl.eps_clip_low", f"must be in (0, 1), got {self.eps_clip_low}")
@@ -823,6 +828,9 @@ class SpadeConfig:
             _require(self.rollout.max_context_tokens <= m.max_position_embeddings, "rollout.max_context_tokens",
                      f"must be <= model.max_position_embeddings ({m.max_position_embeddings}): every episode and "
                      f"designer sample grows up to it; got {self.rollout.max_context_tokens}")
+        _require(not self.rl.filter_zero_std_groups or self.rollout.agent_trajectories_per_env > 1,
+                 "rl.filter_zero_std_groups", "true needs rollout.agent_trajectories_per_env > 1: a group of one play "
+                 "has no spread of rewards, so every agent sample would be dropped and the agent never trained")
         r, fixed = self.rewards, self.selfplay.environments
         if fixed:
             _require(self.rollout.envs_per_rollout == len(fixed), "rollout.envs_per_rollout",

@@ -51,7 +51,8 @@ def _facts(record: dict[str, Any]) -> str:
     else:
         parts += [f"reward {_number(record.get('reward'))}", f"advantage {_number(record.get('advantage'))}",
                   "trained" if record.get("trained") else "not trained (its optimizer step was skipped: gradients "
-                  "not finite)" if record.get("step_skipped") else "not trained"]
+                  "not finite)" if record.get("step_skipped") else "not trained (filtered: its group's rewards are all "
+                  "equal)" if record.get("filtered") else "not trained"]
     tokens = record.get("tokens") or {}
     parts.append(f"tokens {tokens.get('prompt', '?')} prompt + {tokens.get('generated', '?')} generated")
     return " | ".join(parts)

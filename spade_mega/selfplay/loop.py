@@ -63,7 +63,13 @@ from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, require_wandb, setup_logging, transcripts
 from spade_mega.monitor.records import METRICS_FILE, scan
 from spade_mega.rl.delayed import DelayedDesignerBuffer, DesignerSample, ReleasedDesignerSample
-from spade_mega.selfplay.batch import Trajectory, advantages, optimizer_batches, train_samples
+from spade_mega.selfplay.batch import (
+    Trajectory,
+    advantages,
+    filter_zero_std_groups,
+    optimizer_batches,
+    train_samples,
+)
 from spade_mega.selfplay.lock import RunDirLock
 from spade_mega.selfplay.state import (
     ActiveEnv,
@@ -245,6 +251,8 @@ class _Actor:
         released = self.buffer.release(r, self.trackers)
         self.transcript.released(released)
         trajectories += self.designer_trajectories(released, metrics)
+        if self.cfg.rl.filter_zero_std_groups:
+            trajectories = self.filter_groups(r, trajectories, metrics)
         samples: list[TrainSample] = []
         self.settling: tuple[list[Trajectory], Optional[torch.Tensor]] = (trajectories, None)
         if trajectories:
@@ -263,6 +271,21 @@ class _Actor:
             self.engine.release_memory()
             metrics["time/engine_release_s"] = time.perf_counter() - started
         return samples, metrics
+
+    def filter_groups(self, r: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> list[Trajectory]:
+        """``rl.filter_zero_std_groups``: the agent groups whose rewards are all equal marked filtered (not trained
+        on), counted in ``agent/filtered_groups`` and ``agent/filtered_episodes`` and left out of
+        ``agent/trained_episodes``. Only what is trained changes: the plays were measured (returns, win rates,
+        regret, memory, trackers, the designer's reward) in :meth:`play`."""
+        marked, groups = filter_zero_std_groups(trajectories)
+        filtered = float(sum(t.filtered for t in marked))
+        metrics["agent/filtered_groups"] = float(groups)
+        metrics["agent/filtered_episodes"] = filtered
+        metrics["agent/trained_episodes"] = metrics.get("agent/trained_episodes", 0.0) - filtered
+        if groups and not any(t.trains for t in marked):
+            log.info("rollout %d: every agent group's rewards are all equal (rl.filter_zero_std_groups) and no "
+                     "designer sample trains: nothing to train on, no optimizer step", r)
+        return marked
 
     def clear_prefix_cache(self) -> None:
         """Empty the hf engine's prefix cache (servers promise no bitwise replay) around a rollout. Before it: an

@@ -9,7 +9,8 @@ Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
   it overflows a float), the training
   reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
   program broke are played but never trained on: advantage null; ``step_skipped``: the optimizer step holding it
-  was skipped, its gradients not finite, so it was not trained on either).
+  was skipped, its gradients not finite, so it was not trained on either; ``filtered``: its group's rewards were all
+  equal and ``rl.filter_zero_std_groups`` dropped it, advantage 0, not trained on).
 - ``output`` (role designer): a designer output at its regeneration rollout: decoded prompt, reply, parsed program
   and hint, or the parse error, the validation verdict. It is trained later, when its delayed reward is released.
 - ``reward`` (role designer): written in the rollout that releases a designer output's reward (``id`` is the
@@ -117,7 +118,7 @@ class RolloutTranscript:
                 "malformed_actions": ep.malformed_actions, "finish_reasons": list(ep.finish_reasons),
                 "return": total if math.isfinite(total := episode_return(ep.step_rewards)) else None,
                 "reward": ep.reward, "advantage": None, "trained": False, "step_skipped": False,
-                "tokens": _tokens(seq, prompt)}
+                "filtered": False, "tokens": _tokens(seq, prompt)}
             self.records.append(record)
             if ep.trainable:
                 self._trainable[id(seq.token_ids)] = record
@@ -142,19 +143,21 @@ class RolloutTranscript:
 
     def settle(self, trajectories: Sequence[Trajectory], advantages: torch.Tensor, updated: Sequence[bool]) -> None:
         """Each trajectory's training reward, advantage and whether it was trained on, into its record: a masked
-        designer reward is not (advantage null), nor a sample whose optimizer step was skipped (``step_skipped``:
-        its gradients were not finite). ``updated[k]`` is whether the step of the k-th valid trajectory (the k-th
-        TrainSample) was applied."""
+        designer reward is not (advantage null), nor a filtered agent sample (``filtered``, advantage 0), nor a sample
+        whose optimizer step was skipped (``step_skipped``: its gradients were not finite). ``updated[k]`` is whether
+        the step of the k-th trajectory that trains (the k-th TrainSample) was applied."""
         if not self.enabled:
             return
-        if sum(t.valid for t in trajectories) != len(updated):
-            raise ValueError(f"{len(updated)} step outcomes for {sum(t.valid for t in trajectories)} trained samples")
+        if sum(t.trains for t in trajectories) != len(updated):
+            raise ValueError(f"{len(updated)} step outcomes for {sum(t.trains for t in trajectories)} trained samples")
         steps = iter(updated)
         for t, advantage in zip(trajectories, advantages.tolist()):
             record = self._trainable[id(t.token_ids)]
-            applied = next(steps) if t.valid else False
+            applied = next(steps) if t.trains else False
             record.update(reward=t.reward, advantage=advantage if t.valid else None, trained=applied,
-                          step_skipped=t.valid and not applied)
+                          step_skipped=t.trains and not applied)
+            if t.filtered:
+                record["filtered"] = True
 
     def write(self, run_dir: Path) -> Optional[Path]:
         """The rollout's file; a transcript that cannot be written (disk full, folder not writable) is a warning:
