@@ -45,7 +45,7 @@ def log_steps(run_dir, steps, resume_step=None, **wandb):
                 m.log(0, {"eval/arithmetic/accuracy": 0.25})
                 continue
             m.log(s, {"agent/return": s / 4, "envs/designer": s}, commit=False)
-            m.log(s, {"loss": math.nan if s == 2 else 1 / s}, prefix="train")
+            m.log(s, {"loss": math.nan if s == 2 else 1 / s, "grad_norm": math.inf if s == 3 else 1.0}, prefix="train")
 """
 
 
@@ -116,12 +116,13 @@ def test_an_offline_wandb_run_holds_the_jsonl_records_and_the_resolved_config(tm
         ("spade-test", "ablation", "tiny", ["t1", "t2"])
     config = run["config"]["update"]
     assert (config["run"], config["rl"]) == ({"name": "w"}, {"kl": 0})
-    # record for record and name for name what metrics.jsonl holds (NaN written alike: the string "NaN")
+    # record for record and name for name what metrics.jsonl holds (NaN and inf written alike: "NaN", "Infinity")
     records = _jsonl(run_dir)
     assert [item["rollout"] for item in history] == [r["step"] for r in records] == [0, 1, 2, 3]
     assert [_ours(item) for item in history] == [{k: v for k, v in r.items() if k not in ("step", "time")}
                                                  for r in records]
-    assert history[2]["train/loss"] == "NaN" and history[3]["envs/designer"] == 3
+    assert history[2]["train/loss"] == "NaN" and history[3]["train/grad_norm"] == "Infinity"
+    assert history[3]["envs/designer"] == 3
     assert math.isclose(history[3]["train/loss"], 1 / 3)
 
 
