@@ -95,6 +95,7 @@ SAME = [  # (answer the model boxed, reference)
     ("5\\text{ thousand}", "5000"),
     ("2.5\\text{ million}", "2,500,000"),
     ("3\\text{ Millions}", "3 \\cdot 10^6"),
+    ("5\\text{ thousand}.", "5000"),  # a full stop after the unit, as scoring.py's number path takes it
     ("5\\text{ thousand dollars}", "5000\\text{ dollars}"),
     # formatting: \textnormal units, \cfrac, x \in, named lists, "and"
     ("125\\textnormal{ miles}", "125"),
@@ -183,6 +184,7 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("\\log 100", "4.605"),
     ("5\\text{ thousand}", "5"),  # was taken as 5 with a unit
     ("5\\text{ thousands}", "5"),
+    ("5\\text{ thousand}.", "5"),
     ("5\\text{ million}", "5000"),
     ("5\\text{ thousand dollars}", "5\\text{ dollars}"),
     ("x \\in [-2, 7]", "[-2, 7)"),

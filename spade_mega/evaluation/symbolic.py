@@ -466,7 +466,7 @@ class Answer:
     variable: str = ""
 
 
-_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}\s*$")
+_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")
 _CONSTANTS = ("e", "i")
 # words: a text wrapper holding two letters in a row, or three letters in a row outside a command (\\sqrt, \\pi)
 _WORDS = re.compile(r"\\(?:text\w*|mbox|mathrm|mathbf|operatorname)\s*\{[^{}]*[A-Za-z]{2}|(?<![\\A-Za-z])[A-Za-z]{3}")
