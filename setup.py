@@ -41,7 +41,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         "vllm": ["vllm"],
-        "wandb": ["wandb"],  # logging.wandb: Weights & Biases (the tests write offline runs with it)
+        "wandb": ["wandb>=0.31"],  # logging.wandb: Weights & Biases (the tests write offline runs with it)
     },
     entry_points={"console_scripts": ["spade-mega=spade_mega.cli:main"]},
 )

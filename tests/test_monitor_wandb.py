@@ -22,7 +22,8 @@ from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config, to_dict
 from spade_mega.config.schema import LoggingConfig, WandbConfig
 from spade_mega.monitor import MetricsLogger
-from spade_mega.monitor.wandb_sink import FINISH_TIMEOUT_S, RUN_ID_FILE, STEP_METRIC, _finish_timeout, require_wandb
+from spade_mega.monitor.wandb_sink import (FINISH_TIMEOUT_S, RUN_ID_FILE, STEP_METRIC, WandbError, _finish_timeout,
+                                           check_wandb_version, require_wandb)
 from sandbox_support import strict_missing
 from test_launch import _stand_in_env, _stand_in_job, _training_step_is
 
@@ -497,6 +498,14 @@ def test_an_online_run_without_an_api_key_on_a_terminal_fails_instead_of_prompti
     assert proc.returncode == 0 and "refused: logging.wandb: online mode and no W&B API key" in out, (out, shown)
     assert "wandb login" in out and "logging.wandb.mode=offline" in out
     assert b"Enter your choice" not in shown
+
+
+def test_a_wandb_older_than_the_oldest_supported_is_refused_naming_the_version() -> None:
+    for version in ("0.31.0", "0.31.1rc2", "0.32", "1.0.0"):
+        check_wandb_version(version)
+    for version in ("0.30.9", "0.19.11", "0.9.7"):
+        with pytest.raises(WandbError, match=f"wandb {version} is older than 0.31.*pip install -U 'wandb>=0.31'"):
+            check_wandb_version(version)
 
 
 def test_a_disabled_wandb_needs_no_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import string
 from pathlib import Path
@@ -41,6 +42,7 @@ from spade_mega.files import replace_atomically
 
 log = logging.getLogger("spade_mega.monitor")
 WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
+OLDEST_WANDB = (0, 31)  # the oldest tested: wandb.login(prompt=False) and Settings(finish_timeout_raises) are recent
 DEFAULT_PROJECT = "spade-mega"
 RUN_ID_FILE = "wandb_run_id"
 STEP_METRIC = "rollout"  # W&B's x-axis: the record's step; metric names hold a '/', so none is called this
@@ -63,7 +65,18 @@ def import_wandb() -> ModuleType:
     except ImportError as exc:
         raise WandbError(f"logging.wandb.enabled is true but wandb cannot be imported ({exc}): {WANDB_EXTRA}, or "
                          "set logging.wandb.enabled=false") from None
+    check_wandb_version(getattr(wandb, "__version__", "0"))
     return wandb
+
+
+def check_wandb_version(version: str) -> None:
+    """An older wandb lacks calls the sink makes; it would fail at its start with a TypeError naming none of this."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < OLDEST_WANDB:
+        oldest = ".".join(map(str, OLDEST_WANDB))
+        raise WandbError(f"logging.wandb.enabled is true but wandb {version} is older than {oldest}, the oldest "
+                         f"spade-mega runs with: pip install -U 'wandb>={oldest}' ({WANDB_EXTRA} does), or set "
+                         "logging.wandb.enabled=false")
 
 
 def require_wandb(cfg: WandbConfig) -> None:
