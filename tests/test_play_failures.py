@@ -13,6 +13,7 @@ import pytest
 from sandbox_support import strict_missing
 from solver_engine import GIVE_UP, ScriptedSolverEngine
 
+from spade_mega.cli import main
 from spade_mega.config.loader import load_config
 from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.curriculum.prompts import PromptBuilder
@@ -45,9 +46,10 @@ def knock(observation: str):
         observation = yield "knock"
 
 
-def _actor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, door: EnvProgram) -> tuple[object, object]:
-    """The loop's actor whose designer writes ``door`` (its skill the one active) and whose policy knocks with the
-    hint and gives up without it; and the config."""
+def _actor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, door: EnvProgram, designs: list[EnvProgram] | None = None,
+           extra: tuple[str, ...] = ()) -> tuple[object, object]:
+    """The loop's actor whose designer writes ``door`` (or ``designs``, in order; their skill the one active) and
+    whose policy knocks with the hint and gives up without it; and the config."""
     from spade_mega import inference
     from spade_mega.selfplay.loop import _Actor
 
@@ -55,23 +57,23 @@ def _actor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, door: EnvProgram) ->
                  "rollout.max_response_tokens=64", "selfplay.designer_delay=1", "curriculum.active_skills=1",
                  "selfplay.library_fallback=false", "model.max_position_embeddings=16384",
                  "parallel.max_tokens_per_gpu=16384", "rollout.max_context_tokens=12000",
-                 "rollout.max_designer_tokens=4096", f"run.output_dir={tmp_path}"]
+                 "rollout.max_designer_tokens=4096", f"run.output_dir={tmp_path}", *extra]
     if strict_missing() is not None:
         overrides.append("sandbox.isolation=best-effort")
     cfg = load_config(TINY, overrides)
     engine = lambda cfg, tok: ScriptedSolverEngine(ChatTurns(PromptBuilder.from_config(cfg, tok)),  # noqa: E731
                                                    [SimpleNamespace(hint=door.hint, oracle=knock)],
-                                                   {door.skill: [door]})
+                                                   {door.skill: designs or [door]})
     monkeypatch.setattr(inference, "build_engine", engine)
     return _Actor(cfg, tmp_path / "run"), cfg
 
 
 def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    tokenizer) -> None:
-    """Its hint plays win and its plays without the hint break: a regret of 1, the memory's best seed, while the
-    designer is paid the penalty for it and it leaves the environment set. The memory records it invalid (reason
-    program_error, as the solvability check's plays would), so no designer prompt shows it as an example (it stayed
-    valid and became the first seed)."""
+    """Its hint plays win and its plays without the hint break: counted as scoring 0, a regret of 1, the memory's
+    best seed, while the designer is paid the penalty for it and it leaves the environment set. The memory records it
+    invalid (reason program_error, as the solvability check's plays would), so no designer prompt shows it as an
+    example (it stayed valid and became the first seed), and records no evaluation: no play measured the agent."""
     door = EnvProgram(DOOR, "Knock.", "arithmetic")  # the first skill: the one active
     actor, cfg = _actor(tmp_path, monkeypatch, door)
     try:
@@ -88,7 +90,7 @@ def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Pat
     with EnvMemory(memory_path, create=False) as memory:
         (row,) = [r for r in memory.iter_records() if r.content_hash == door.content_hash]
     assert (row.status, row.reason) == ("invalid", "program_error")
-    assert row.regret == pytest.approx(1.0)  # what was measured stays recorded
+    assert row.evaluations == () and row.regret is None  # a regret of 1 before, from plays that measured nothing
     assert [s.content_hash for s in seeds] == []
 
 
@@ -119,3 +121,56 @@ def test_a_resume_from_before_the_break_finds_the_program_valid_again(tmp_path: 
         assert (record.status, record.reason, record.last_iteration) == ("valid", None, 1)
     finally:
         actor.close()
+
+
+# Giving up wins on the mat, knocking breaks it: its plays without the hint are measured, its hint plays broken.
+MAT = textwrap.dedent('''
+    class Mat:
+        max_turns = 2
+
+        def reset(self, seed):
+            return "A doormat."
+
+        def step(self, action):
+            if action == "knock":
+                raise ValueError("nobody knocks on a doormat")
+            return "You wipe your feet.", 1.0, True, False, {}
+''')
+
+
+def test_a_play_its_program_broke_is_no_measurement_of_the_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  tokenizer, capsys: pytest.CaptureFixture) -> None:
+    """A broken play's reward is what the episode held when the program raised, not the agent's score: it is left
+    out of agent/return, the win rates, regret, the skill trackers, the memory's evaluation and the designer buffer's
+    plays, counted in agent/broken_plays and marked in the transcript. The door breaks every play without the hint
+    (its hint plays win), the doormat every hint play (its plays without the hint win): all four measured plays of
+    each kind are wins. Before, the broken ones counted as scoring 0: agent/return and agent/win_rate 0.5, a regret
+    of 1 for the door and -1 for the doormat in the memory and designer/regret 0, the trackers fed 0.5."""
+    door, mat = EnvProgram(DOOR, "Knock.", "arithmetic"), EnvProgram(MAT, "Knock.", "arithmetic")
+    actor, cfg = _actor(tmp_path, monkeypatch, door, [door, mat], ["rollout.envs_per_rollout=2"])
+    try:
+        samples, metrics = actor.rollout(1)
+        actor.trained([True] * len(samples))  # the transcript, written
+        plays = actor.buffer.state_dict()["plays"]
+        tracker = actor.trackers.trackers["arithmetic"]
+        records = [r for r in actor.transcript.records if r["kind"] == "episode"]
+        with EnvMemory(actor.memory.path, create=False) as memory:
+            rows = {r.content_hash: r for r in memory.iter_records()}
+    finally:
+        actor.close()
+    assert metrics["designer/valid_rate"] == 1.0 and metrics["designer/outputs"] == 2  # both played (both leave)
+    assert metrics["agent/episodes"] == 4  # the plays without the hint, broken or not
+    assert metrics["agent/broken_plays"] == 4 and metrics["agent/failed_episodes"] == 4
+    assert metrics["agent/return"] == 1.0 and metrics["agent/win_rate"] == 1.0  # the doormat's two plays
+    assert metrics["agent/hint_return"] == 1.0 and metrics["agent/hint_win_rate"] == 1.0  # the door's two
+    assert "designer/regret" not in metrics  # no environment measured with and without the hint
+    assert (tracker.mu_slow, tracker.updates) == (1.0, 1)
+    assert rows[door.content_hash].evaluations == ()  # nothing of the agent measured on it
+    (evaluation,) = rows[mat.content_hash].evaluations
+    assert (evaluation.plays, evaluation.hint_plays, evaluation.win_rate, evaluation.regret) == (2, 0, 1.0, 0.0)
+    assert sorted((env == door.content_hash, role, returns) for env, role, _, returns in plays) == [
+        (False, "agent", [1.0, 1.0]), (True, "hint", [1.0, 1.0])]
+    measured = {(r["env_id"] == door.content_hash, r["hinted"]): r["measured"] for r in records}
+    assert measured == {(True, False): False, (True, True): True, (False, False): True, (False, True): False}
+    assert main(["rollouts", str(tmp_path / "run"), "--role", "agent"]) == 0
+    assert capsys.readouterr().out.count("its program broke it: no measurement of the agent") == 4

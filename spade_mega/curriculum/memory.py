@@ -479,6 +479,13 @@ class EnvMemory:
                 "SELECT * FROM evaluations WHERE env_id = ? ORDER BY iteration", (env_id,))]
         return _record(row, evals)
 
+    def evaluated(self, content_hash: str, iteration: int) -> bool:
+        """Whether the environment has an evaluation at ``iteration`` (none where no play measured the agent)."""
+        v = _play_results(iteration=iteration)
+        return self.conn.execute("SELECT 1 FROM evaluations JOIN environments ON environments.id = env_id "
+                                 "WHERE content_hash = ? AND iteration = ?",
+                                 (content_hash, v["iteration"])).fetchone() is not None
+
     def __contains__(self, content_hash: object) -> bool:
         return isinstance(content_hash, str) and self.conn.execute(
             "SELECT 1 FROM environments WHERE content_hash = ?", (content_hash,)).fetchone() is not None

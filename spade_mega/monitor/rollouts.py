@@ -64,6 +64,8 @@ def _print_agent(console: Any, record: dict[str, Any], chars: int) -> None:
     end = "terminated" if record.get("terminated") else "truncated"
     if record.get("failure"):
         end += f", {record['failure']}: {record.get('failure_detail') or ''}"
+    if record.get("measured") is False:
+        end += " (its program broke it: no measurement of the agent, in no return, win rate or regret)"
     console.print(Text(f"{_facts(record)} | {end}", style="cyan"))
     _block(console, "prompt", record.get("prompt"), chars, "dim")
     for t, turn in enumerate(record.get("turns") or [], 1):

@@ -186,6 +186,14 @@ class AgentEpisode:
                 and self.failure in (None, EpisodeFailure.CONTEXT_OVERFLOW))
 
     @property
+    def measured(self) -> bool:
+        """Whether this play measures the agent: its program did not break it. A broken play's reward is whatever the
+        episode held when the program raised or hung, so the loop leaves it out of every return, win rate, regret,
+        skill tracker, memory evaluation and designer reward input (it counts it in ``agent/broken_plays``); a
+        context overflow is the agent's own and counts."""
+        return self.program_fault is None
+
+    @property
     def program_fault(self) -> Optional[Reason]:
         """The validation reason a program that broke this episode earns (``timeout``: a call past
         ``sandbox.call_timeout_s``; ``program_error``: any other sandbox failure), as if validation had met it; None

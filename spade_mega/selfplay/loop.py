@@ -50,7 +50,7 @@ from spade_mega.config.schema import FixedEnvConfig, SpadeConfig
 from spade_mega.curriculum.corpus import Corpus, GroundingSampler
 from spade_mega.curriculum.memory import EnvMemory
 from spade_mega.curriculum.prompts import PromptBuilder
-from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale, win_rate, won
+from spade_mega.curriculum.rewards import SkillTrackers, env_reward_scale, win_rate
 from spade_mega.curriculum.skills import SkillRegistry, SkillScheduler
 from spade_mega.envs import library
 from spade_mega.envs.program import EnvProgram
@@ -419,7 +419,10 @@ class _Actor:
         """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers. A
         program that breaks in play (a call raises or hangs) leaves the set, marked failed in the buffer (the designer's
         penalty) and invalid in the memory; a listed one (``selfplay.environments``) stays, named in a warning: it is
-        the set, so the run would train on nothing until the next regeneration."""
+        the set, so the run would train on nothing until the next regeneration. A play its program broke is no
+        measurement of the agent (``AgentEpisode.measured``): it is counted in ``agent/broken_plays`` and left out of
+        the returns, win rates and regret, the trackers, the memory's evaluation (none when no play without the hint
+        measured the agent) and the buffer's plays."""
         from spade_mega.rollout import AgentPlay
 
         cfg, seed = self.cfg, self.cfg.run.seed
@@ -436,18 +439,20 @@ class _Actor:
         batch = self.rollouts.play(plays)
         episodes = batch.episodes
         self.transcript.episodes(self.environments, episodes)
-        trajectories, agent_returns, hint_returns, wins, failures = [], [], [], [], 0
+        trajectories, agent_returns, hint_returns, failures, broken, played = [], [], [], 0, 0, 0
         regrets, by_skill, failed = [], {}, set()
         for e, env in enumerate(self.environments):
             mine = [ep for ep in episodes if ep.env_id == env.env_id]
-            agent = [ep.reward for ep in mine if not ep.hinted]
-            hint = [ep.reward for ep in mine if ep.hinted]
+            agent = [ep.reward for ep in mine if not ep.hinted and ep.measured]
+            hint = [ep.reward for ep in mine if ep.hinted and ep.measured]
+            played += sum(not ep.hinted for ep in mine)
+            broken += sum(not ep.measured for ep in mine)
             agent_returns += agent
             hint_returns += hint
-            wins += [won(ep.reward, cfg.rewards) for ep in mine if not ep.hinted]
             by_skill.setdefault(env.skill, []).extend(agent)
             if env.env_id in self.buffer:
-                self.buffer.record_plays(env.env_id, r, agent)
+                if agent:
+                    self.buffer.record_plays(env.env_id, r, agent)
                 if hint:
                     self.buffer.record_plays(env.env_id, r, hint, hinted=True)
             broke = [ep.designer_failure for ep in mine if ep.designer_failure is not None]
@@ -468,14 +473,17 @@ class _Actor:
                 # breaks is no seed for the designer (one whose hint plays win has a high regret)
                 self.memory.set_validation(env.env_id, False,
                                            (Reason.TIMEOUT if timed_out else Reason.PROGRAM_ERROR).value, iteration=r)
-            # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns
-            mean_agent = _mean(agent) if agent else 0.0
-            regret = (_mean(hint) if hint else mean_agent) - mean_agent
-            regrets.append(regret)
-            rate = win_rate(agent, cfg.rewards)
-            self.memory.record_evaluation(env.env_id, r, win_rate=rate,
-                                          win_rate_hint=win_rate(hint, cfg.rewards) if hint else rate,
-                                          plays=len(agent), hint_plays=len(hint), regret=regret)
+            # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns, measured where
+            # plays with and without the hint were (the memory records 0 without hint plays, its win rate for both)
+            regret = _mean(hint) - _mean(agent) if hint and agent else None
+            if regret is not None:
+                regrets.append(regret)
+            if agent:
+                rate = win_rate(agent, cfg.rewards)
+                self.memory.record_evaluation(env.env_id, r, win_rate=rate,
+                                              win_rate_hint=win_rate(hint, cfg.rewards) if hint else rate,
+                                              plays=len(agent), hint_plays=len(hint),
+                                              regret=0.0 if regret is None else regret)
             trajectories += [Trajectory(ep.sequence.token_ids, ep.sequence.loss_mask, ep.sequence.behaviour_logprobs,
                                         "agent", ep.reward, f"env{e}") for ep in mine if ep.trainable]
         for skill, returns in by_skill.items():
@@ -484,14 +492,17 @@ class _Actor:
         if failed:  # a program that broke in play teaches nothing more until the next regeneration
             log.warning("rollout %d: %d environment(s) failed in the sandbox and leave the set", r, len(failed))
             self.environments = [env for env in self.environments if env.env_id not in failed]
-        metrics = {"agent/return": _mean(agent_returns) if agent_returns else 0.0,
-                   "agent/win_rate": _mean(wins) if wins else 0.0,
-                   "agent/episodes": float(len(agent_returns)),
+        metrics = {"agent/episodes": float(played),
                    "agent/trained_episodes": float(len(trajectories)),
                    "agent/failed_episodes": float(failures),
+                   "agent/broken_plays": float(broken),
                    "agent/turns": _mean([float(ep.turns) for ep in episodes])}
-        if hint_returns:  # regret is measured by hint plays: without any (agent-only training) there is none to log
+        if agent_returns:  # none when every play without the hint broke: nothing measured
+            metrics["agent/return"] = _mean(agent_returns)
+            metrics["agent/win_rate"] = win_rate(agent_returns, cfg.rewards)
+        if regrets:  # regret is measured by hint plays: without any (agent-only training) there is none to log
             metrics["designer/regret"] = _mean(regrets)
+        if hint_returns:
             metrics["agent/hint_return"] = _mean(hint_returns)
             metrics["agent/hint_win_rate"] = win_rate(hint_returns, cfg.rewards)
         metrics.update(batch.stats.metrics("perf/agent"))
@@ -505,7 +516,8 @@ class _Actor:
             s, reward = item.sample, item.reward
             out.append(Trajectory(s.token_ids, s.loss_mask, s.behaviour_logprobs, "designer", reward.value,
                                   s.skill, valid=not reward.masked))
-            if s.metadata.get("valid") and not reward.masked:
+            # an environment whose every play without the hint broke at its regeneration has no evaluation there
+            if s.metadata.get("valid") and not reward.masked and self.memory.evaluated(s.env_id, s.step):
                 self.memory.set_designer_reward(s.env_id, s.step, reward.value)
         if released:
             paid = [item.reward.value for item in released if not item.reward.masked]

@@ -10,7 +10,9 @@ Records (one per trajectory; ``kind`` tells them apart, ``id`` links them):
   reward (clipped, 0 for a truncated episode by default), advantage and ``trained`` (hint plays and episodes the
   program broke are played but never trained on: advantage null; ``step_skipped``: the optimizer step holding it
   was skipped, its gradients not finite, so it was not trained on either; ``filtered``: its group's rewards were all
-  equal and ``rl.filter_zero_std_groups`` dropped it, advantage 0, not trained on).
+  equal and ``rl.filter_zero_std_groups`` dropped it, advantage 0, not trained on); ``measured`` false for a play
+  its program broke, which no return, win rate, regret or memory evaluation counts (its reward is what the episode
+  held when the program failed).
 - ``output`` (role designer): a designer output at its regeneration rollout: decoded prompt, reply, parsed program
   and hint, or the parse error, the validation verdict. It is trained later, when its delayed reward is released.
 - ``reward`` (role designer): written in the rollout that releases a designer output's reward (``id`` is the
@@ -115,6 +117,7 @@ class RolloutTranscript:
                 "weight_version": seq.policy_version, "prompt": self._text(seq.token_ids[:prompt]), "turns": turns,
                 "terminated": ep.terminated, "truncated": ep.truncated,
                 "failure": ep.failure.value if ep.failure else None, "failure_detail": ep.failure_detail or None,
+                "measured": ep.measured,
                 "malformed_actions": ep.malformed_actions, "finish_reasons": list(ep.finish_reasons),
                 "return": total if math.isfinite(total := episode_return(ep.step_rewards)) else None,
                 "reward": ep.reward, "advantage": None, "trained": False, "step_skipped": False,
