@@ -114,6 +114,10 @@ SAME = [  # (answer the model boxed, reference)
     ("\\varnothing", "\\left\\{ \\right\\}"),
     ("2π", "2\\pi"),  # Unicode symbols
     ("3×4", "12"),
+    ("(x, y) = (1, 2)", "(1, 2)"),  # a named pair
+    # vectors and matrices, entry by entry
+    ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", "\\begin{pmatrix}-\\frac{1}{3}\\\\ \\frac{2}{3}\\end{pmatrix}"),
+    ("\\begin{bmatrix}1&\\sqrt{8}\\\\3&4\\\\\\end{bmatrix}", "\\begin{pmatrix} 1 & 2\\sqrt2 \\\\ 3 & 4 \\end{pmatrix}"),
 ]
 
 DIFFERENT = [  # (answer, reference): not the same value
@@ -198,6 +202,11 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x < 3", "x > 3"),
     ("\\emptyset", "\\{0\\}"),
     ("2π", "\\pi"),
+    ("(x, y) = (1, 2)", "(2, 1)"),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix}1 & 3\\\\ 2 & 4\\end{pmatrix}"),  # transposed
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\end{pmatrix}"),  # a column is no row
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),
+    ("\\begin{vmatrix} 1 & 2 \\\\ 3 & 4 \\end{vmatrix}", "-2"),  # a determinant is not translated
 ]
 
 
@@ -260,7 +269,8 @@ PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{
                 "2^{2^{\\pi \\cdot 10^{9}}}", "e^{e^{e^{9}}}", "x^{e^{e^{9}}}",  # irrational exponents: evalf hung
                 "(10^{5})!", "((5!)!)!", "(x^{100})!", "\\binom{10^{100}}{10^{50}}", "\\binom{x^{100}}{2}",
                 "\\sqrt[3]{-3^{6000}-1}",
-                ", ".join(f"{i} \\pm \\sqrt{{2}}" for i in range(MAX_ITEMS // 2 + 1))]  # 34 values
+                ", ".join(f"{i} \\pm \\sqrt{{2}}" for i in range(MAX_ITEMS // 2 + 1)),  # 34 values
+                "\\begin{pmatrix}" + "\\\\".join("&".join("1" * 3) for _ in range(11)) + "\\end{pmatrix}"]  # 33 entries
 
 
 @pytest.mark.timeout(60)  # before the size bound the first of these never returned
@@ -289,7 +299,7 @@ def test_a_reply_looping_through_thousands_of_boxes_is_scored_at_once() -> None:
 
 
 def test_what_the_translation_refuses() -> None:
-    for text in ("2\\frac{1}{2}", "1 2", "x > 3", "\\begin{pmatrix}1\\end{pmatrix}", "a = b = c", "1/0", "0^{-1}",
+    for text in ("2\\frac{1}{2}", "1 2", "x > 3", "\\begin{vmatrix}1\\end{vmatrix}", "a = b = c", "1/0", "0^{-1}",
                  "x" * (MAX_CHARS + 1), "5!!", "x != 3", "(-1)!", "(\\frac{1}{2})!", f"{MAX_FACTORIAL + 1}!",
                  f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}"):
         assert parse_answer(text) is None, text

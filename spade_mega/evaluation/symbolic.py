@@ -13,27 +13,27 @@ variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``
 and ``\\log`` (base 10, as math-verify and Qwen2.5-Math's grader, through latex2sympy, read it; ``\\ln`` is the
 natural logarithm), letters and Greek letters as variables (``x_1`` too), ``\\mathbb{R}`` (the interval),
 parentheses, brackets and braces as grouping. Around it: a tuple or interval ``(a, b]`` (brackets must match,
-compared element by element), a set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as
-sets, in any order; its entries may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``,
-every ``\\pm`` taking the same sign and ``\\mp`` the other; in a list, its two values are two entries), a union
-``A \\cup B``, an equation ``y = 2x + 1`` (``x =``, ``f(x) =`` or ``x \\in`` before a value is dropped, but
-``x = 3`` is not ``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to a non-zero constant
-factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``, but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a
-bare value, ``x - 3 = 0`` is not ``3``), a trailing percent sign (a percentage equals its number with or without the
-sign, and its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in
-``\\text{}`` (two different units never match; a scale word is a factor, not a unit: ``5\\text{ thousand}`` is 5000,
-never 5).
+compared element by element), a vector or matrix (``pmatrix``, ``bmatrix``: entry by entry, in the same shape), a
+set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared as sets, in any order; its entries
+may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``, every ``\\pm`` taking the same
+sign and ``\\mp`` the other; in a list, its two values are two entries), a union ``A \\cup B``, an equation
+``y = 2x + 1`` (``x =``, ``f(x) =``, ``(x, y) =`` or ``x \\in`` before a value is dropped, but ``x = 3`` is not
+``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is
+``x = 3``, ``y = x`` is ``x = y``, but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value,
+``x - 3 = 0`` is not ``3``), a trailing percent sign (a percentage equals its number with or without the sign, and
+its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}``
+(two different units never match; a scale word is a factor, not a unit: ``5\\text{ thousand}`` is 5000, never 5).
 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm`` in a tuple
-(``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``, matrices, answers
-over ``MAX_CHARS`` characters, sets and lists of over ``MAX_ITEMS`` entries (matched item against item; each ``\\pm``
-counts two), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``, and with an irrational
-exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a trigonometric function of a number of over
-``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS`` digits and a factorial or binomial of more than
-``MAX_FACTORIAL`` (at the identity test's points, for an expression): sympy evaluates powers, roots and factorials
-of rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no timer: the same
-answers always give the same verdict).
+(``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``, determinants
+(``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS`` entries (matched item
+against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``,
+and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a trigonometric
+function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS`` digits and a
+factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an expression): sympy
+evaluates powers, roots and factorials of rationals as it builds them, so the size is checked before; that is the
+bound on sympy's work (no timer: the same answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -76,9 +76,12 @@ _BINOMIALS = ("\\binom", "\\dbinom", "\\tbinom")
 _NOT_ATOMS = ("\\cdot", "\\times", "\\div", "\\cup", "\\choose")  # operators: no implicit product before them
 _DEGREES = re.compile(r"(\^\s*\{?\s*\\circ\s*\}?|°)$")
 _PERCENT = re.compile(r"\\?%$")
-# "x = 5", "x \in [0, 1]", "f(x) = 2x", "f^{-1}(x, 2) = x/2": the value, named (not "x(x+1) = 0": an equation)
-_VARIABLE = re.compile(r"^(?P<name>[A-Za-z](?:\^\{-1\}|\^-1)?(?:\s*\(\s*\w(?:\s*,\s*\w)*\s*\))?)"
-                       r"\s*(?:=(?!=)|\\in(?![A-Za-z]))")
+# "x = 5", "x \in [0, 1]", "f(x) = 2x", "f^{-1}(x, 2) = x/2", "(x, y) = (1, 2)": the value, named (not
+# "x(x+1) = 0": an equation)
+_VARIABLE = re.compile(r"^(?P<name>[A-Za-z](?:\^\{-1\}|\^-1)?(?:\s*\(\s*\w(?:\s*,\s*\w)*\s*\))?"
+                       r"|\(\s*[A-Za-z](?:\s*,\s*[A-Za-z])+\s*\))\s*(?:=(?!=)|\\in(?![A-Za-z]))")
+# a vector or matrix (not vmatrix: a determinant), its rows split at \\, its entries at &
+_MATRIX = re.compile(r"\\begin\s*\{([pb]?matrix)\}(.*)\\end\s*\{\1\}", re.DOTALL)
 _SIGN_CHOICE = re.compile(r"\\(pm|mp)(?![A-Za-z])")  # 1 \pm \sqrt{2}: two values (not \pmod)
 _SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
 
@@ -509,6 +512,14 @@ def _answer(raw: str, top: bool = False) -> Answer:
 
 
 def _structure(raw: str, top: bool) -> Answer:
+    matrix = _MATRIX.fullmatch(raw.strip().strip("$").strip())
+    if matrix is not None:  # compared entry by entry, as a tuple of rows
+        rows = re.split(r"\\\\", matrix.group(2).strip())
+        rows = rows[:-1] if len(rows) > 1 and not rows[-1].strip() else rows  # a final \\
+        if len(rows) * max(row.count("&") + 1 for row in rows) > MAX_ITEMS:
+            raise Refused("a matrix too large")
+        return Answer("tuple", brackets="matrix", items=tuple(
+            Answer("tuple", brackets="row", items=tuple(_answer(entry) for entry in row.split("&"))) for row in rows))
     if _WORDS.search(raw) or _WORDS.search(clean(raw)):
         raise Refused("words")  # "\\text{east}" is no product e*a*s*t ("seat" would equal it)
     text = clean(raw)
