@@ -27,13 +27,13 @@ its number / 100 against a side without one), degrees (``^\\circ``: formatting) 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
 equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm`` in a tuple
 (``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``, determinants
-(``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS`` entries (matched item
-against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits (``9^{9^{9^9}}``,
-and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a trigonometric
-function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS`` digits and a
-factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an expression): sympy
-evaluates powers, roots and factorials of rationals as it builds them, so the size is checked before; that is the
-bound on sympy's work (no timer: the same answers always give the same verdict).
+(``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS`` entries
+(matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
+(``9^{9^{9^9}}``, and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a
+trigonometric function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS``
+digits and a factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an
+expression): sympy evaluates powers, roots and factorials of rationals as it builds them, so the size is checked
+before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
