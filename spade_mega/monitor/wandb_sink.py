@@ -2,7 +2,7 @@
 
 wandb is an optional extra (``pip install 'spade-mega[wandb]'``), imported only when ``logging.wandb`` is on: without
 it, importing spade_mega.monitor never imports wandb. :func:`require_wandb` lets a run fail at its start, before the
-model is built, when the setting is on and the package is missing.
+model is built, when the setting is on and the package is missing or older than 0.31.
 
 Every record is one W&B row, logged at once, with the record's step as the metric ``rollout``: W&B's x-axis for every
 metric (``define_metric``), not W&B's own ``_step``. W&B ignores a row logged at an earlier ``_step`` than its last,
@@ -15,14 +15,13 @@ x-axis; a new run in the directory (its JSONL records are set aside) starts a ne
 rows the interrupted attempt sent after its last checkpoint stay there, so those rollouts show both attempts' values
 (metrics.jsonl and TensorBoard keep this attempt's).
 
-Failures: a new run whose W&B cannot start (the package missing, online mode without an API key, wandb.init failing:
-a bad entity, no network) stops before the model is built, on every rank (the loop opens the logger first). An online
-run never asks for an API key: on a terminal wandb would prompt for one and the job would wait there. Any W&B error
-after that (its service process gone, say), and a failing start when resuming (a requeued job meeting a W&B outage),
-is said once; the sink then goes quiet and metrics.jsonl and TensorBoard go on, so monitoring never kills training.
-Nor does it hold the job's nodes: at the run's end W&B uploads what it still holds and, with the network down, retries
-for many minutes; ``finish_timeout_s`` (default 120 s) bounds that wait, and what is left stays in the run's W&B files
-for ``wandb sync``.
+Failures: a new run whose W&B cannot start (online mode without an API key, wandb.init failing: a bad entity, no
+network) stops before the model is built, on every rank (the loop opens the logger first). An online run never asks for
+an API key: on a terminal wandb would prompt for one and the job would wait there. Any W&B error after that (its service
+process gone, say), and a failing start when resuming (a requeued job meeting a W&B outage), is said once; the sink then
+goes quiet and metrics.jsonl and TensorBoard go on, so monitoring never kills training. Nor does it hold the job's
+nodes: at the run's end W&B uploads what it still holds and, with the network down, retries for many minutes;
+``finish_timeout_s`` (default 120 s) bounds that wait, and what is left stays in the run's W&B files for ``wandb sync``.
 """
 
 from __future__ import annotations
