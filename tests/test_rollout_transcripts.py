@@ -461,6 +461,8 @@ try:
     loop.SelfPlay(cfg)._save(None, actor, 1)  # never reaches the trainer: the loop state comes first
 except Exception as exc:
     print(f"{type(exc).__name__}: {exc}", flush=True)
+    from spade_mega.megatron import parallel
+    parallel.shutdown()  # as the CLI leaves: gloo's teardown at exit can abort a rank whose peer has gone
     sys.exit(2)
 """
 
