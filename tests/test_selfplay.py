@@ -323,6 +323,8 @@ def test_a_resumed_run_continues_as_the_straight_run(runs: tuple[Path, Path]) ->
     assert saved[0].keys() == saved[1].keys() and any(k.startswith("optimizer.state.exp_avg") for k in saved[0])
     for key, value in saved[0].items():
         assert torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor) else value == saved[1][key], key
+    assert [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(straight)] == \
+        [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(resumed)]
 
 
 def _checkpoint_tensors(checkpoint: Path, out: Path) -> dict:
@@ -331,8 +333,6 @@ def _checkpoint_tensors(checkpoint: Path, out: Path) -> dict:
 
     dcp_to_torch_save(checkpoint, out)
     return torch.load(out, weights_only=False)
-    assert [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(straight)] == \
-        [{k: v for k, v in row.items() if k != "proposals"} for row in _memory(resumed)]
 
 
 @pytest.mark.slow
