@@ -84,10 +84,12 @@ def _wandb_records(files: Path) -> list[list[dict]]:
     return out
 
 
-def _wandb_runs(files: Path) -> list[tuple[dict, list[dict]]]:
-    """Every W&B run (attempt) written under ``files``, oldest first: its run record and its history items."""
+def _wandb_runs(files: Path, attempts: list[list[dict]] | None = None) -> list[tuple[dict, list[dict]]]:
+    """Every W&B run (attempt) written under ``files`` (or of ``attempts``, their records already read), oldest
+    first: its run record and its history items."""
     return [(next(r["run"] for r in records if r["type"] == "run"),
-             [r["history"]["item"] for r in records if r["type"] == "history"]) for records in _wandb_records(files)]
+             [r["history"]["item"] for r in records if r["type"] == "history"])
+            for records in (_wandb_records(files) if attempts is None else attempts)]
 
 
 def _ours(item: dict) -> dict:
@@ -109,8 +111,8 @@ def test_an_offline_wandb_run_holds_the_jsonl_records_and_the_resolved_config(tm
     run_dir = tmp_path / "runs" / "tiny"
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [0, 1, 2, 3], project='spade-test', group='ablation', "
                         "tags=['t1', 't2'])", _env(tmp_path))
-    [(run, history)] = _wandb_runs(tmp_path / "wandb-files")
     [records] = _wandb_records(tmp_path / "wandb-files")
+    [(run, history)] = _wandb_runs(tmp_path / "wandb-files", [records])
     assert _x_axes(records) == {"rollout": None, "*": "rollout"}  # every metric is drawn over the rollout
     assert run["run_id"] == (run_dir / RUN_ID_FILE).read_text().strip()
     assert (run["project"], run["run_group"], run["display_name"], run["tags"]) == \
@@ -150,12 +152,12 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     assert (run_dir / RUN_ID_FILE).read_text().strip() == first_id
     _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1])", env)
     new_id = (run_dir / RUN_ID_FILE).read_text().strip()
-    attempts = _wandb_runs(tmp_path / "wandb-files")
+    written = _wandb_records(tmp_path / "wandb-files")
+    attempts = _wandb_runs(tmp_path / "wandb-files", written)
     assert [(run["run_id"], [item["rollout"] for item in history]) for run, history in attempts] == \
         [(first_id, [1, 2, 3]), (first_id, [2, 3, 4]), (new_id, [1])]
     assert _ours(attempts[1][1][0]) == {"eval/arithmetic/accuracy": 0.5}
-    assert all(_x_axes(records) == {"rollout": None, "*": "rollout"}
-               for records in _wandb_records(tmp_path / "wandb-files"))
+    assert all(_x_axes(records) == {"rollout": None, "*": "rollout"} for records in written)
     assert new_id != first_id and attempts[1][0]["resume"]
     assert {run["project"] for run, _ in attempts} == {"from-env"}
 
