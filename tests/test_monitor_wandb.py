@@ -381,6 +381,7 @@ try:
 except WandbError as exc:
     print("refused:", exc)
 log_steps(sys.argv[1], [3, 4], resume_step=2, mode="online")
+log_steps(sys.argv[1] + "-offline", [1], mode="offline")  # the setting over $WANDB_MODE: no key needed
 print("trained on")
 """
 
@@ -396,6 +397,7 @@ def test_wandb_failing_at_start_stops_a_new_run_and_not_a_resumed_one(tmp_path: 
     assert "refused: logging.wandb: online mode and no W&B API key" in proc.stdout and "wandb login" in proc.stdout
     assert proc.stderr.count("W&B logging failed") == 1, proc.stderr[-4000:]
     assert [r["step"] for r in _jsonl(run_dir)] == [3, 4]
+    assert list((tmp_path / "wandb-files" / "wandb").glob("offline-run-*"))
 
 
 # `spade-mega train` with logging.wandb on, in a process where wandb cannot be imported (sys.modules['wandb'] = None
