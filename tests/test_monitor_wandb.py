@@ -269,12 +269,13 @@ def test_a_wandb_failure_mid_run_is_said_once_and_jsonl_and_tensorboard_go_on(tm
 class _StandInWandbServer(ThreadingHTTPServer):
     """The W&B API as far as an online wandb.init and run need it (the login check, the run's upsert, its file
     stream: each answered the way api.wandb.ai's GraphQL answers them), until ``outage`` exists: from then on every
-    request waits unanswered, a network gone dark."""
+    request waits unanswered, a network gone dark. With ``history_rows``, every run asked about exists, started, with
+    that many history rows (W&B's _step 0 to history_rows - 1): a run to resume."""
 
     daemon_threads = True
 
-    def __init__(self, outage: Path) -> None:
-        self.outage, self.released = outage, threading.Event()
+    def __init__(self, outage: Path, history_rows: int | None = None) -> None:
+        self.outage, self.released, self.history_rows = outage, threading.Event(), history_rows
         super().__init__(("127.0.0.1", 0), _StandInWandbHandler)
 
 
@@ -303,7 +304,13 @@ class _StandInWandbHandler(BaseHTTPRequestHandler):
             data = {"viewer": {"id": "VXNlcjox", "entity": "lab", "username": "lab", "flags": "{}",
                                "teams": {"edges": []}}}
         elif "RunResumeStatus" in query:
-            data = {"model": {"id": "UHJvamVjdDox", "name": variables.get("project"), "bucket": None,
+            rows, bucket = self.server.history_rows, None
+            if rows is not None:  # wandbConfig's "t" (telemetry) is how wandb tells a started run
+                bucket = {"id": "QnVja2V0OjE=", "name": variables.get("name"), "displayName": "run", "notes": None,
+                          "summaryMetrics": "{}", "config": "{}", "tags": [], "wandbConfig": '{"t": {}}',
+                          "logLineCount": 0, "eventsLineCount": 0, "eventsTail": "[]", "historyLineCount": rows,
+                          "historyTail": json.dumps([json.dumps({"_step": rows - 1})])}
+            data = {"model": {"id": "UHJvamVjdDox", "name": variables.get("project"), "bucket": bucket,
                               "entity": {"id": "RW50aXR5OjE=", "name": "lab"}}}
         reply = json.dumps({"data": data}).encode()
         self.send_response(200)
@@ -361,6 +368,47 @@ def test_a_network_outage_at_the_end_of_an_online_run_does_not_hold_the_job(tmp_
     assert key not in proc.stdout + proc.stderr
     leaks = [path for path in run_dir.rglob("*") if path.is_file() and key.encode() in path.read_bytes()]
     assert not leaks, leaks
+
+
+# A requeued job resuming from the checkpoint of rollout 2 an online W&B run that holds rows up to _step 3 (the
+# interrupted attempt's rollouts 1 to 3): it redoes rollout 2's evaluation, then plays rollout 3
+ONLINE_RESUME = """
+import pathlib, sys
+from spade_mega.config.schema import LoggingConfig, WandbConfig
+from spade_mega.monitor import MetricsLogger
+
+wandb = WandbConfig(enabled=True, mode="online", finish_timeout_s=3)
+m = MetricsLogger(sys.argv[1], LoggingConfig(tensorboard=False, gpu_stats=False, wandb=wandb), resume_step=2)
+m.log(2, {"eval/arithmetic/accuracy": 0.5})
+m.log(3, {"agent/return": 0.75})
+pathlib.Path(sys.argv[2]).touch()  # the end's file uploads have nowhere to go: the stand-in stores no files
+m.close()
+"""
+
+
+def test_a_resumed_online_run_keeps_the_records_of_rollouts_wandb_has_passed(tmp_path: Path) -> None:
+    """wandb drops a row logged with step= below the resumed run's current _step (4 here): the redone evaluation of
+    rollout 2 and the replayed rollout 3 never reached W&B (both dropped before). Logged without step=, over the
+    x-axis `rollout`, both are rows of the resumed run, at their rollouts."""
+    outage = tmp_path / "outage"
+    server = _StandInWandbServer(outage, history_rows=4)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = _env(tmp_path, WANDB_MODE="online", WANDB_API_KEY="local-" + "5ecret" * 7, HOME=str(tmp_path / "home"),
+               WANDB_BASE_URL=f"http://127.0.0.1:{server.server_address[1]}")
+    del env["WANDB_DIR"]
+    run_dir = tmp_path / "run"
+    try:
+        proc = subprocess.run([sys.executable, "-c", ONLINE_RESUME, str(run_dir), str(outage)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env=env)
+    finally:
+        server.released.set()
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [(run, history)] = _wandb_runs(run_dir / "wandb")
+    assert run["resume"] and [item["_step"] for item in history] == [4, 5]  # continuing W&B's own count
+    assert [(item["rollout"], _ours(item)) for item in history] == \
+        [(2, {"eval/arithmetic/accuracy": 0.5}), (3, {"agent/return": 0.75})]
 
 
 def test_the_finish_timeout_is_the_setting_else_wandbs_variable_else_two_minutes(
