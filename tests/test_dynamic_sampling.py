@@ -209,3 +209,47 @@ def test_a_rollout_whose_groups_are_all_flat_takes_no_step_and_a_resume_continue
     assert on[3]["train/steps"] == 2 and on[3]["agent/filtered_groups"] == 1
     states = [CheckpointStore(runs[name]) for name in ("filtered", "resumed")]
     assert [s.read_state(s.latest()) for s in states][0] == [s.read_state(s.latest()) for s in states][1]
+
+
+class _Killed(Exception):
+    """The job killed (a time limit, a node lost) as it begins a trainer checkpoint."""
+
+
+@pytest.fixture(scope="module")
+def killed(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``filtered`` run killed as it begins its second trainer save after rollout 1's, then resumed to the end."""
+    from spade_mega.megatron.train import Trainer
+
+    base = tmp_path_factory.mktemp("dynamic_sampling_killed")
+    save, calls = Trainer.save, []
+
+    def dies_the_second_time(self: Trainer, *args, **kwargs) -> str:
+        calls.append(self.step)
+        if len(calls) == 2:
+            raise _Killed(f"killed at the save of trainer step {self.step}")
+        return save(self, *args, **kwargs)
+
+    cfg = _config(base, "killed", "selfplay.num_rollouts=3", "rl.filter_zero_std_groups=true")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "save", dies_the_second_time)
+        with pytest.raises(_Killed):
+            SelfPlay(cfg).run()
+    SelfPlay(cfg).run()
+    return base / "killed"
+
+
+@pytest.mark.slow
+def test_a_job_killed_while_saving_after_a_rollout_without_a_step_loses_no_metrics_record(
+        runs: dict[str, Path], killed: Path) -> None:
+    """Rollout 2 takes no step: its loop state goes beside the trainer's checkpoint of step 2, which nothing changed,
+    so it is not written again. (Written again, a kill during that save left rollout 2's state on disk, the resumed
+    run went on at rollout 3, and rollout 2's metrics record, logged after the save, was never written.)"""
+    straight, resumed = _records(runs["filtered"]), _records(killed)
+    assert sorted(resumed) == [1, 2, 3]
+
+    def untimed(record: dict) -> dict:
+        return {k: v for k, v in record.items() if k != "time" and not k.startswith(TIMING)}
+
+    assert all(untimed(resumed[r]) == untimed(straight[r]) for r in (1, 2, 3))
+    stores = [CheckpointStore(run) for run in (runs["filtered"], killed)]
+    assert stores[0].read_state(stores[0].latest()) == stores[1].read_state(stores[1].latest())

@@ -537,6 +537,7 @@ class SelfPlay:
         self.cfg = cfg
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.store = CheckpointStore(self.run_dir)
+        self.on_disk: Optional[int] = None  # the trainer step whose checkpoint this run saved or resumed from last
 
     def _steps_estimate(self) -> int:
         """Optimizer steps of the whole run, for a decaying learning-rate schedule's horizon: every environment's
@@ -604,6 +605,7 @@ class SelfPlay:
         start = 0
         if checkpoint is not None and state is not None:
             trainer.load(str(checkpoint))
+            self.on_disk = trainer.step
             start = state.rollout
             if actor is not None:
                 actor.restore(state)
@@ -744,7 +746,11 @@ class SelfPlay:
         return bool(_from_rank0(lambda: not (jsonl and scores_logged(self.run_dir / METRICS_FILE, r)), share=True))
 
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
-        """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective)."""
+        """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective). After rollouts that
+        took no optimizer step (``rl.filter_zero_std_groups`` with every group flat, every play broken) the trainer's
+        checkpoint of its step is already on disk and unchanged: only the loop state is written, atomically. Saved
+        again, a job killed during that save left the new loop state beside the old checkpoint, and the resumed run
+        went on after this rollout, whose metrics record (logged after the save) was never written."""
 
         def loop_state() -> None:
             assert actor is not None  # rank 0's
@@ -754,7 +760,9 @@ class SelfPlay:
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
         _from_rank0(loop_state, share=False)
-        trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
+        if trainer.step != self.on_disk:  # every rank took the same steps, so all agree
+            trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
+            self.on_disk = trainer.step
         if actor is not None:
             self.store.prune_states()
 
