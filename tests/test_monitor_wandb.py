@@ -270,12 +270,14 @@ class _StandInWandbServer(ThreadingHTTPServer):
     """The W&B API as far as an online wandb.init and run need it (the login check, the run's upsert, its file
     stream: each answered the way api.wandb.ai's GraphQL answers them), until ``outage`` exists: from then on every
     request waits unanswered, a network gone dark. With ``history_rows``, every run asked about exists, started, with
-    that many history rows (W&B's _step 0 to history_rows - 1): a run to resume."""
+    that many history rows (W&B's _step 0 to history_rows - 1) and config ``rl.kl: 0.5, gone: 3``: a run to resume.
+    ``configs`` holds every config the runs sent."""
 
     daemon_threads = True
 
     def __init__(self, outage: Path, history_rows: int | None = None) -> None:
         self.outage, self.released, self.history_rows = outage, threading.Event(), history_rows
+        self.configs: list[dict] = []
         super().__init__(("127.0.0.1", 0), _StandInWandbHandler)
 
 
@@ -295,6 +297,8 @@ class _StandInWandbHandler(BaseHTTPRequestHandler):
         query, variables = request.get("query", ""), request.get("variables") or {}
         data: dict = {}
         if "upsertBucket" in query:
+            if variables.get("config"):
+                self.server.configs.append(json.loads(variables["config"]))
             project = {"id": "UHJvamVjdDox", "name": variables.get("project"), "entity": {"id": "RW50aXR5OjE=",
                                                                                           "name": "lab"}}
             data = {"upsertBucket": {"inserted": True, "bucket": {
@@ -307,7 +311,8 @@ class _StandInWandbHandler(BaseHTTPRequestHandler):
             rows, bucket = self.server.history_rows, None
             if rows is not None:  # wandbConfig's "t" (telemetry) is how wandb tells a started run
                 bucket = {"id": "QnVja2V0OjE=", "name": variables.get("name"), "displayName": "run", "notes": None,
-                          "summaryMetrics": "{}", "config": "{}", "tags": [], "wandbConfig": '{"t": {}}',
+                          "summaryMetrics": "{}", "tags": [], "wandbConfig": '{"t": {}}',
+                          "config": json.dumps({"rl": {"value": {"kl": 0.5}}, "gone": {"value": 3}}),
                           "logLineCount": 0, "eventsLineCount": 0, "eventsTail": "[]", "historyLineCount": rows,
                           "historyTail": json.dumps([json.dumps({"_step": rows - 1})])}
             data = {"model": {"id": "UHJvamVjdDox", "name": variables.get("project"), "bucket": bucket,
@@ -378,7 +383,8 @@ from spade_mega.config.schema import LoggingConfig, WandbConfig
 from spade_mega.monitor import MetricsLogger
 
 wandb = WandbConfig(enabled=True, mode="online", finish_timeout_s=3)
-m = MetricsLogger(sys.argv[1], LoggingConfig(tensorboard=False, gpu_stats=False, wandb=wandb), resume_step=2)
+m = MetricsLogger(sys.argv[1], LoggingConfig(tensorboard=False, gpu_stats=False, wandb=wandb), resume_step=2,
+                  run_config={"rl": {"kl": 0.0}})
 m.log(2, {"eval/arithmetic/accuracy": 0.5})
 m.log(3, {"agent/return": 0.75})
 pathlib.Path(sys.argv[2]).touch()  # the end's file uploads have nowhere to go: the stand-in stores no files
@@ -389,7 +395,8 @@ m.close()
 def test_a_resumed_online_run_keeps_the_records_of_rollouts_wandb_has_passed(tmp_path: Path) -> None:
     """wandb drops a row logged with step= below the resumed run's current _step (4 here): the redone evaluation of
     rollout 2 and the replayed rollout 3 never reached W&B (both dropped before). Logged without step=, over the
-    x-axis `rollout`, both are rows of the resumed run, at their rollouts."""
+    x-axis `rollout`, both are rows of the resumed run, at their rollouts. The run's config is this attempt's
+    (a resume with a changed setting shows it); W&B keeps a top-level key only the earlier attempt had."""
     outage = tmp_path / "outage"
     server = _StandInWandbServer(outage, history_rows=4)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -409,6 +416,8 @@ def test_a_resumed_online_run_keeps_the_records_of_rollouts_wandb_has_passed(tmp
     assert run["resume"] and [item["_step"] for item in history] == [4, 5]  # continuing W&B's own count
     assert [(item["rollout"], _ours(item)) for item in history] == \
         [(2, {"eval/arithmetic/accuracy": 0.5}), (3, {"agent/return": 0.75})]
+    config = server.configs[-1]
+    assert (config["rl"]["value"], config["gone"]["value"]) == ({"kl": 0.0}, 3)
 
 
 def test_the_finish_timeout_is_the_setting_else_wandbs_variable_else_two_minutes(
