@@ -15,6 +15,7 @@ import pytest
 import torch
 from sandbox_support import strict_missing
 
+from spade_mega.cli import main
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.loader import load_config
 from spade_mega.config.schema import KernelsConfig, RLConfig
@@ -173,7 +174,8 @@ def test_filtering_changes_what_is_trained_never_what_is_measured(runs: dict[str
 
 
 @pytest.mark.slow
-def test_the_transcript_marks_filtered_plays_as_not_trained(runs: dict[str, Path]) -> None:
+def test_the_transcript_marks_filtered_plays_as_not_trained(runs: dict[str, Path],
+                                                            capsys: pytest.CaptureFixture) -> None:
     for e in _episodes(runs["filtered"], 1):
         if e["hinted"]:  # played for regret, never trained, never filtered
             assert (e["trained"], e["filtered"], e["advantage"]) == (False, False, None)
@@ -182,6 +184,8 @@ def test_the_transcript_marks_filtered_plays_as_not_trained(runs: dict[str, Path
         else:
             assert (e["trained"], e["filtered"]) == (True, False) and e["advantage"] != 0.0, e
     assert not any(e["filtered"] for e in _episodes(runs["plain"], 1))
+    assert main(["rollouts", str(runs["filtered"]), "--rollout", "1", "--role", "agent"]) == 0
+    assert capsys.readouterr().out.count("not trained (filtered: its group's rewards are all equal)") == PLAYS
     report = (runs["filtered"] / "report.html").read_text()  # plotted with the agent's metrics, in the summary
     assert "agent/filtered_groups" in report and "agent/filtered_episodes" in report
 
