@@ -196,10 +196,11 @@ def scenario_grpo(args) -> None:
 
 
 def scenario_skip(args) -> None:
-    """Any layout: a finite step on batch A, then a step on batch B whose sample 0 carries an advantage of 3e38 (its
-    gradients overflow), then a finite step on batch C. Each rank writes skip_<rank>.json: every step's ``updated``,
-    whether its own reduced grad buffers were finite when the step was decided, and whether the skipped step left its
-    weights, Adam moments, schedule and learning rate as they were."""
+    """Any layout: a finite step on batch A, then a step on batch B whose sample 0 carries an advantage of
+    --advantage (3e38: its gradients overflow; 1e20: they stay finite, their global norm overflows), then a finite
+    step on batch C. Each rank writes skip_<rank>.json: every step's ``updated``, whether its own reduced grad
+    buffers were finite when the step was decided, and whether the skipped step left its weights, Adam moments,
+    schedule and learning rate as they were."""
     import torch
     import torch.distributed as dist
 
@@ -228,7 +229,7 @@ def scenario_skip(args) -> None:
     first = trainer.train_step(make_batch(1))
     before = snapshot()
     overflowing = make_batch(2)
-    overflowing[0].advantages = torch.where(overflowing[0].loss_mask, torch.tensor(3e38), torch.tensor(0.0))
+    overflowing[0].advantages = torch.where(overflowing[0].loss_mask, torch.tensor(args.advantage), torch.tensor(0.0))
     skipped = trainer.train_step(overflowing)
     after = snapshot()
     last = trainer.train_step(make_batch(3))
@@ -466,6 +467,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-triton", action="store_true")
     parser.add_argument("--hf-config")
+    parser.add_argument("--advantage", type=float, default=3e38, help="skip: sample 0's advantage in the second step")
     parser.add_argument("--num-samples", type=int, default=None,
                         help="only the first N samples of each batch (an odd count leaves a data-parallel rank short)")
     parser.add_argument("overrides", nargs="*")

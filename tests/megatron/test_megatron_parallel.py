@@ -135,3 +135,20 @@ def test_a_step_with_non_finite_gradients_is_skipped_alike_on_every_rank(tmp_pat
         assert got["last_moved"] and got["finite_after"], f"rank {rank}: the next finite step did not train ({got})"
         assert got["trainer_step"] == 3 and got["skipped_grad_norm"] != got["skipped_grad_norm"]  # NaN
         assert got["local_finite"][0] and got["local_finite"][2], f"rank {rank}: {got}"
+
+
+def test_a_step_whose_gradient_norm_overflows_is_skipped_alike_on_every_rank(tmp_path: Path) -> None:
+    """EP2 with the distributed optimizer over two data-parallel ranks (two processes; dense and expert optimizers
+    chained, each rank holding half the dense optimizer shards): a step whose gradients are finite on every rank but
+    whose global norm overflows float32 is skipped by both (Megatron's get_grad_norm, asked by the trainer on every
+    rank in the same order, reduces it over the grad-stats group), neither moving a weight, an Adam moment, the
+    schedule or the learning rate; the next step trains everywhere. With the norm check off both ranks step (updated,
+    grad_norm inf, weights moved on gradients clipped to 0)."""
+    run_worker(2, "skip", tmp_path, "--advantage", "1e20", "parallel.expert=2", "optimizer.distributed=true")
+    for rank in range(2):
+        got = read_json(tmp_path / f"skip_{rank}.json")
+        assert got["local_finite"] == [True, True, True], f"rank {rank}: gradients not finite ({got})"
+        assert got["updated"] == [True, False, True], f"rank {rank}: {got}"
+        assert got["moments"] > 0 and got["unchanged"], f"rank {rank}: the skipped step moved something ({got})"
+        assert got["last_moved"] and got["finite_after"], f"rank {rank}: the next step did not train ({got})"
+        assert got["trainer_step"] == 3 and got["skipped_grad_norm"] != got["skipped_grad_norm"]  # NaN
