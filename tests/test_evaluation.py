@@ -626,3 +626,40 @@ def test_the_ranks_wait_for_rank_0_as_long_as_parallel_collective_timeout_min(mi
         assert [out.split() for out, _ in outputs] == [["scored"], ["scored"]]
     else:  # rank 1 gave up after 1.2 s (rank 0 then found nobody to send to)
         assert ranks[1].returncode != 0 and "timed out" in outputs[1][1].lower(), outputs[1][1][-3000:]
+
+
+def test_an_env_suite_counts_a_play_its_program_broke_as_failed_at_its_reward(hf_folder: Path) -> None:
+    """Held-out scores keep every episode (training's rates leave a broken play out): a break in a held-out program
+    counts at the reward the episode ended with, 0 when truncated, and in ``failed``; every checkpoint is scored over
+    the same episodes. Here a program that any action wins beside one whose step() always raises."""
+    import textwrap
+
+    from spade_mega.envs.program import EnvProgram
+
+    source = textwrap.dedent('''
+        class Gate:
+            max_turns = 2
+
+            def reset(self, seed):
+                return "A gate."
+
+            def step(self, action):
+                %s
+    ''')
+    opens = EnvProgram(source % 'return "It opens.", 1.0, True, False, {}', "Anything opens it.", "logic")
+    breaks = EnvProgram(source % 'raise ValueError("the gate is broken")', "Nothing opens it.", "logic")
+    cfg = load_config(TINY, [*ISOLATION, "eval.suites=[{name: gates, kind: env, environments: [grid_maze, "
+                                         "running_total], episodes: 2, max_response_tokens: 8}]",
+                             "rollout.max_turns=2", f"inference.hf_weights={hf_folder}"])
+    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    engine = build_engine(cfg, tokenizer)
+    try:
+        with SandboxPool(cfg.sandbox) as pool:
+            evaluator = Evaluator(cfg, engine, tokenizer, pool)
+            evaluator.programs["gates"] = [("opens", opens), ("breaks", breaks)]
+            (result,) = evaluator.evaluate()
+    finally:
+        engine.close()
+    assert [d["failures"] for d in result.details] == [[], ["sandbox_error", "sandbox_error"]]
+    assert result.metrics["episodes"] == 4 and result.metrics["failed"] == 0.5
+    assert result.metrics["return"] == 0.5 and result.metrics["win_rate"] == 0.5  # 1.0 without the broken plays

@@ -10,7 +10,11 @@ QA metrics (``eval/<suite>/...``): ``accuracy`` (the mean over items of the shar
 completion length) and ``truncated`` (the share that ran into ``max_response_tokens``). Env metrics: ``return``
 (mean episode return), ``win_rate`` (the share of episodes won, as training counts a win:
 ``curriculum.rewards.win_rate``), ``turns`` and ``failed`` (the share of episodes a sandbox failure or context
-overflow ended).
+overflow ended). Unlike training's rates, which leave out a play its program broke (``AgentEpisode.measured``: it
+measures the program, and the designer is penalised for it), ``return`` and ``win_rate`` count it at the reward it
+ended with (0 under ``rewards.truncated_episode: zero``): the library's programs are tested by their oracles, so a
+break here is a timeout or a fault the agent's own action found, and every checkpoint is scored over the same
+episodes; ``failed`` shows how many.
 """
 
 from __future__ import annotations
