@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import queue
 import re
 import shutil
@@ -284,31 +285,55 @@ def _prune(root: Path, keep: int, saved: Path) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _in_process_write_results() -> None:
-    """Megatron's synchronous save runs its asynchronous writer in this process, collecting the write results
-    through a queue that it creates, on a process's first save, as a multiprocessing Manager started by 'spawn'.
-    Spawn re-imports the main module: a training script with its code at top level ran again in that helper, and the
-    save failed with a bare EOFError, or under torchrun hung for ever (the re-run joined the job). Our saves are
-    synchronous (the writes and the read-back happen in this process), so a plain queue serves and no helper starts."""
+class _ResultsFile:
+    """Megatron's write-results queue for a write in a forked process (``put`` there, ``get_nowait`` here): a file in
+    the checkpoint's partial folder. Megatron's default, a multiprocessing Manager queue, starts a helper by 'spawn',
+    which re-imports the main module (see :func:`_write_results_to`); a pipe between the two processes (a
+    multiprocessing queue) blocks the writer's exit once the results outgrow the pipe's buffer, so the write would
+    never be seen to end. The file's modification time is when this rank's write ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.finished_at: Optional[float] = None
+
+    def put(self, item: Any) -> None:
+        try:
+            data = pickle.dumps(item)
+        except Exception as exc:  # an exception that cannot be pickled still says what failed
+            data = pickle.dumps(RuntimeError(f"{item!r} (not picklable: {exc})"))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+
+    def get_nowait(self) -> Any:
+        try:
+            self.finished_at = self.path.stat().st_mtime
+            item = pickle.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            raise queue.Empty from None
+        self.path.unlink()
+        return item
+
+
+def _write_results_to(results: Any) -> None:
+    """Where Megatron's writer reports the results of this process's next save (it creates, on a process's first
+    save, a multiprocessing Manager started by 'spawn'. Spawn re-imports the main module: a training script with its
+    code at top level ran again in that helper, and the save failed with a bare EOFError, or under torchrun hung for
+    ever (the re-run joined the job)). A synchronous save writes and reads back in this process: a plain queue
+    serves. An asynchronous one writes in a forked process: a :class:`_ResultsFile`."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+    filesystem_async._results_queue = results
 
 
-def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
-                    tokenizer_assumed_for: Optional[str] = None) -> Path:
-    """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
-
-    ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints. ``tokenizer_assumed_for``: the
-    Hugging Face folder (without tokenizer files) whose weights these are, taken to use ``model.tokenizer``
-    unchecked (convert from-hf); the manifest's tokenizer records it as ``assumed_for``."""
+def _begin_save(trainer: "Trainer", root: Path, keep: Optional[int],
+                tokenizer_assumed_for: Optional[str]) -> tuple[Path, dict[str, Any], Callable[[], None]]:
+    """The partial folder a save writes into, the state to write, and the completion that rank 0 runs once every
+    rank's files are written (manifest, rename to ``step_<N>``, pruning). The manifest is taken now: an
+    asynchronous save completes after later steps changed the trainer."""
     if keep is not None and keep < 1:
         raise CheckpointError(f"keep must be >= 1 (the checkpoint just saved is always kept; None keeps all), "
                               f"got {keep}")
-    from megatron.core import dist_checkpointing
-
-    root = Path(root)
     final = step_dir(root, trainer.step)
 
     def start() -> Path:
@@ -323,19 +348,14 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
 
     partial = _on_rank0(start, root)
     with_optimizer = _optimizer_has_state(trainer)
-    _in_process_write_results()
-    with _writing(root):
-        dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer),
-                                str(partial))
-    dist.barrier()
+    manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
+                "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
+                "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
+                "tokenizer": {**tokenizer_identity(trainer.cfg.model.tokenizer),
+                              **({"assumed_for": tokenizer_assumed_for} if tokenizer_assumed_for else {})}}
 
     def finish() -> None:
-        manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
-                    "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
-                    "world_size": trainer.layout.world_size, "architecture": _architecture(trainer),
-                    "tokenizer": {**tokenizer_identity(trainer.cfg.model.tokenizer),
-                                  **({"assumed_for": tokenizer_assumed_for} if tokenizer_assumed_for else {})},
-                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        manifest["saved_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _fsync_tree(partial)
         if final.exists():  # the same step saved before: replace it only now that the new one is complete
@@ -349,8 +369,92 @@ def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int]
         if keep is not None:
             _prune(root, keep, final)
 
+    state = _sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer)
+    return partial, state, finish
+
+
+def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
+                    tokenizer_assumed_for: Optional[str] = None) -> Path:
+    """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
+
+    ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints. ``tokenizer_assumed_for``: the
+    Hugging Face folder (without tokenizer files) whose weights these are, taken to use ``model.tokenizer``
+    unchecked (convert from-hf); the manifest's tokenizer records it as ``assumed_for``."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    partial, state, finish = _begin_save(trainer, root, keep, tokenizer_assumed_for)
+    _write_results_to(queue.Queue())
+    with _writing(root):
+        dist_checkpointing.save(state, str(partial))
+    dist.barrier()
     _on_rank0(finish, root)
-    return final
+    return step_dir(root, trainer.step)
+
+
+class PendingSave:
+    """A checkpoint whose files are being written by a forked process on each rank (Megatron-Core's asynchronous
+    save: ``async_sharded_save`` with its filesystem writer, the process started by its TemporalAsyncCaller).
+
+    The fork holds the state as it was when the save started: on a GPU Megatron first copies the tensors to host
+    memory; on the host the fork's copy-on-write pages are that copy (later updates change the trainer's pages, not
+    the fork's). Until :meth:`finish` completes it on every rank the checkpoint is a hidden partial folder: not the
+    newest for a resume, not counted by ``keep``; a job killed meanwhile resumes from the previous checkpoint."""
+
+    def __init__(self, path: Path, calls: Any, results: Optional[_ResultsFile], finish: Callable[[], None]) -> None:
+        self.path = path  # the step folder it becomes
+        self._calls, self._results, self._finish = calls, results, finish
+        self._started = time.time()
+
+    def finish(self, *, wait: bool) -> Optional[float]:
+        """Complete the checkpoint once its files are written on every rank (``wait``: until they are); collective.
+        Returns the seconds the slowest rank's background write took, or None while some rank is still writing.
+        A write that failed on any rank raises the same CheckpointError on every rank."""
+        root = self.path.parent
+        message = (lambda failure: f"{self.path}: the background write of this checkpoint failed ({failure}; the "
+                                   "writer's own error is in that rank's log); it was not completed, the previous "
+                                   "checkpoint stays the newest")
+        try:
+            with _storage_errors(message):
+                if not self._calls.maybe_finalize_async_calls(blocking=wait):
+                    return None
+        except CheckpointError as exc:  # raised on every rank; only rank 0 (Megatron's coordinator) knows which failed
+            said = [str(exc)]
+            dist.broadcast_object_list(said, src=0)
+            raise CheckpointError(said[0]) from exc
+        _on_rank0(self._finish, root)
+        ended = self._results.finished_at if self._results is not None else None
+        took = [max(0.0, ended - self._started) if ended is not None else 0.0]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, took[0])
+        return max(gathered)
+
+    def abandon(self) -> None:
+        """Wait for this rank's background write to end, without completing the checkpoint (no collective): the exit
+        of a rank that failed, whose peers may be elsewhere. The partial folder is removed by the next save."""
+        for call in self._calls.async_calls:
+            call.async_caller.close()
+        self._calls.async_calls.clear()
+
+
+def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
+                     tokenizer_assumed_for: Optional[str] = None) -> PendingSave:
+    """Start saving the trainer at its current step as ``root/step_<N>`` and return once the state is handed to the
+    background writer (see :class:`PendingSave`); collective. ``keep`` prunes when the save completes."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    root = Path(root)
+    partial, state, finish = _begin_save(trainer, root, keep, tokenizer_assumed_for)
+    results = _ResultsFile(partial / f".write_results.rank{dist.get_rank()}")
+    _write_results_to(results)
+    calls = AsyncCallsQueue()  # a process forked per save; the persistent caller would start one by 'spawn'
+    with _writing(root):
+        # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
+        request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy="mcore")
+        calls.schedule_async_request(request)
+    return PendingSave(step_dir(root, trainer.step), calls, results if request.async_fn is not None else None,
+                       finish)
 
 
 # The scheduler's saved values under the config names that set them (the scheduler is built from the config).

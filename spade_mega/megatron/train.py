@@ -17,11 +17,12 @@ adds nothing).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,11 @@ from spade_mega.megatron.providers import (
     transformer_config,
 )
 from spade_mega.rl.loss import loss_normalizer
+
+if TYPE_CHECKING:
+    from spade_mega.megatron.checkpoint import PendingSave
+
+log = logging.getLogger("spade_mega.megatron")
 
 # metrics of spade_mega.rl.loss.policy_loss combined over micro-batches weighted by their loss tokens
 _MEAN_METRICS = ("pg_loss", "clip_frac", "approx_kl")
@@ -74,6 +80,7 @@ class Trainer:
                                                   "(a sample's log-probs would have to be gathered across "
                                                   "context-parallel ranks); use parallel.context: 1")
         self.cfg = cfg
+        self.pending_save: Optional[PendingSave] = None  # a checkpoint being written in the background
         self.model_cfg = resolve_model_config(cfg.model)
         self.backend: Backend = select_backend(self.model_cfg.transformer_impl)
         compat.install()
@@ -347,11 +354,40 @@ class Trainer:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad.item())
 
-    def save(self, root: str, *, keep: Optional[int] = None, tokenizer_assumed_for: Optional[str] = None) -> str:
-        """Save model, optimizer and schedule as ``root/step_<N>`` (atomic); see checkpoint.save_checkpoint."""
-        from spade_mega.megatron.checkpoint import save_checkpoint
+    def save(self, root: str, *, keep: Optional[int] = None, tokenizer_assumed_for: Optional[str] = None,
+             background: bool = False) -> str:
+        """Save model, optimizer and schedule as ``root/step_<N>`` (atomic); see checkpoint.save_checkpoint. A save
+        still being written in the background is completed first. ``background``: return once the state is handed to
+        the background writer; the checkpoint exists only after :meth:`finish_save` (checkpoint.PendingSave)."""
+        from spade_mega.megatron.checkpoint import save_checkpoint, start_async_save
 
+        self.finish_save(wait=True)
+        if background:
+            self.pending_save = start_async_save(self, root, keep=keep, tokenizer_assumed_for=tokenizer_assumed_for)
+            return str(self.pending_save.path)
         return str(save_checkpoint(self, root, keep=keep, tokenizer_assumed_for=tokenizer_assumed_for))
+
+    def finish_save(self, *, wait: bool) -> Optional[float]:
+        """Complete the background save if every rank has written its files (``wait``: once they have); collective.
+        The seconds its write took when it completed now, else None (still writing, or no save pending)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return None
+        took = pending.finish(wait=wait)  # a failed write raises on every rank, and is no longer pending
+        if took is None:
+            self.pending_save = pending
+        return took
+
+    def abandon_save(self) -> None:
+        """An error exit with a save still written in the background: this rank waits for its own write to end (no
+        process keeps writing after the job) and leaves the checkpoint incomplete. Completing it would take
+        collectives that the other ranks, failed elsewhere or still running, might never join; the previous
+        checkpoint stays the newest and the next save removes the partial folder."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.abandon()
+            log.warning("%s: not completed (the run stopped on an error while it was written in the background); the "
+                        "previous checkpoint stays the newest", pending.path)
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);

@@ -1,0 +1,114 @@
+"""Scenarios of the asynchronous checkpoint tests (test_async_checkpoint.py) under torchrun (gloo, CPU, one thread per
+process), on megatron_worker.py's model and batches. Results go to --out as JSON and .pt files that the test compares;
+nothing is asserted here.
+
+  equal       step 1, then the same state saved in the foreground (sync/) and in the background (async/); step 2 runs
+              while the background write is pending, then it completes. Each checkpoint is loaded back: its weights,
+              then one more step and the logits after it, per rank
+              With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
+              exceeds (a full disk, for real): the error each rank gets when completing it, then one more step
+  killpending with no checkpoint under --out/ckpt: step 1 saved in the foreground, step 2 saved in the background,
+              then "PENDING" and a wait that the test ends with SIGKILL; with one: load the newest, save, exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from megatron_worker import config, make_batch
+
+import torch
+import torch.distributed as dist
+
+
+def weights(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+
+
+def scenario_equal(args) -> None:
+    from spade_mega.megatron import Trainer, find_latest
+    from spade_mega.megatron.checkpoint import is_complete
+
+    trainer = Trainer(config(args.overrides))
+    rank = dist.get_rank()
+    trainer.train_step(make_batch(1))
+    saved = weights(trainer)
+    trainer.save(str(args.out / "sync"))
+    began = time.perf_counter()
+    path = trainer.save(str(args.out / "async"), background=True)
+    result = {"blocking_s": time.perf_counter() - began, "path": path,
+              "visible_while_pending": find_latest(args.out / "async") is not None}
+    trainer.train_step(make_batch(2))  # changes the weights the background write is saving
+    result["write_s"] = trainer.finish_save(wait=True)
+    result["complete"] = is_complete(path)
+    for tag in ("sync", "async"):
+        trainer.load(str(args.out / tag))
+        loaded = weights(trainer)
+        result[f"{tag}_weights_as_saved"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
+        result[f"{tag}_step"] = trainer.train_step(make_batch(3)).metrics
+        torch.save(torch.cat(trainer.logits(make_batch(4))), args.out / f"{tag}_logits_rank{rank}.pt")
+    (args.out / f"equal_rank{rank}.json").write_text(json.dumps(result))
+    if args.fail_rank is not None:
+        fail(trainer, args)
+
+
+def fail(trainer, args) -> None:
+    from spade_mega.megatron import CheckpointError
+
+    rank = dist.get_rank()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == args.fail_rank:  # the forked writer inherits the limit; this process gets its own back at once
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    trainer.save(str(args.out / "ckpt"), background=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    try:
+        trainer.finish_save(wait=True)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    trainer.train_step(make_batch(5))  # the ranks go on together after the error
+    (args.out / f"fail_rank{rank}.json").write_text(json.dumps({"error": error, "pending": trainer.pending_save
+                                                                is not None}))
+
+
+def scenario_killpending(args) -> None:
+    from spade_mega.megatron import Trainer, find_latest
+
+    trainer = Trainer(config(args.overrides))
+    root = args.out / "ckpt"
+    if find_latest(root) is not None:
+        step = trainer.load(str(root))
+        torch.save(weights(trainer), args.out / "resumed_weights.pt")
+        trainer.save(str(root))
+        print("RESUMED", step, flush=True)
+        return
+    trainer.train_step(make_batch(1))
+    trainer.save(str(root))
+    torch.save(weights(trainer), args.out / "step1_weights.pt")
+    trainer.train_step(make_batch(2))
+    trainer.save(str(root), background=True)
+    print("PENDING", flush=True)
+    time.sleep(600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["equal", "killpending"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--fail-rank", type=int)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    torch.set_num_threads(1)
+    globals()[f"scenario_{args.scenario}"](args)
+    from spade_mega.megatron.parallel import shutdown
+
+    shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

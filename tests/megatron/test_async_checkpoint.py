@@ -1,0 +1,84 @@
+"""Checkpoints written in the background (Trainer.save(background=True), Megatron-Core's asynchronous save through
+a forked writer per rank): the state saved is the one at the call, even as training changes the weights meanwhile; a
+checkpoint counts only once completed on every rank, so a job killed before resumes from the previous one; a write
+that fails on one rank is an error on every rank. Real tiny Megatron models on gloo, one process and two ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_launch import read_json, run_worker, worker_command, worker_env
+
+from spade_mega.megatron import find_latest
+from spade_mega.megatron.checkpoint import is_complete, read_manifest
+
+WORKER = Path(__file__).with_name("async_save_worker.py")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two expert-parallel ranks (each rank's forked writer writes shards of its own): a background save against a
+    foreground one, then a background write that fails on rank 0."""
+    out = tmp_path_factory.mktemp("async_save")
+    run_worker(2, "equal", out, "--fail-rank", "0", "parallel.expert=2", worker=WORKER)
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_background_save_holds_the_state_of_its_call_and_resumes_as_a_foreground_one(two_ranks: Path) -> None:
+    for rank in (0, 1):
+        result = read_json(two_ranks / f"equal_rank{rank}.json")
+        assert not result["visible_while_pending"] and result["complete"]
+        assert result["write_s"] is not None and result["write_s"] >= 0
+        assert result["sync_weights_as_saved"] and result["async_weights_as_saved"]  # not step 2's weights
+        assert result["sync_step"]["loss"] == result["async_step"]["loss"]
+        assert result["sync_step"]["grad_norm"] == result["async_step"]["grad_norm"]
+        assert torch.equal(torch.load(two_ranks / f"sync_logits_rank{rank}.pt"),
+                           torch.load(two_ranks / f"async_logits_rank{rank}.pt"))
+    assert sorted(p.name for p in (two_ranks / "async").iterdir()) == ["step_00000001"]
+    assert not list((two_ranks / "async" / "step_00000001").glob(".write_results*"))
+    assert read_manifest(two_ranks / "async" / "step_00000001")["step"] == 1
+
+
+@pytest.mark.multiproc
+def test_a_background_write_that_fails_on_one_rank_is_an_error_on_every_rank(two_ranks: Path) -> None:
+    errors = [read_json(two_ranks / f"fail_rank{rank}.json") for rank in (0, 1)]
+    assert errors[0] == errors[1]  # rank 1 names rank 0's failure too
+    assert not errors[0]["pending"]
+    message = errors[0]["error"]
+    assert message.startswith(f"{two_ranks / 'ckpt' / 'step_00000002'}: the background write of this checkpoint "
+                              "failed (rank 0: ") and "OSError" in message and "previous checkpoint stays" in message
+    assert find_latest(two_ranks / "ckpt") is None
+
+
+def test_a_job_killed_before_its_background_save_completed_resumes_from_the_previous_checkpoint(
+        tmp_path: Path) -> None:
+    proc = subprocess.Popen(worker_command(1, "killpending", tmp_path, worker=WORKER), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=worker_env(), start_new_session=True)
+    root = tmp_path / "ckpt"
+    try:
+        assert proc.stdout is not None
+        assert any(line.startswith("PENDING") for line in proc.stdout)
+        deadline = time.monotonic() + 60  # its files all written: only the completion is missing
+        while time.monotonic() < deadline and not list(root.glob(".step_00000002.partial-*/.write_results.rank0")):
+            time.sleep(0.05)
+        partial = list(root.glob(".step_00000002.partial-*"))
+        assert len(partial) == 1 and list(partial[0].glob(".write_results.rank0"))
+        assert find_latest(root) == root / "step_00000001"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert find_latest(root) == root / "step_00000001" and not is_complete(partial[0])
+    resumed = subprocess.run(worker_command(1, "killpending", tmp_path, worker=WORKER), capture_output=True,
+                             text=True, env=worker_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "RESUMED 1" in resumed.stdout
+    before, after = torch.load(tmp_path / "step1_weights.pt"), torch.load(tmp_path / "resumed_weights.pt")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # its save removed the partial folder
