@@ -329,19 +329,20 @@ class Trainer:
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient of this step is finite, and with clipping on their global norm too, on every rank
-        (the same answer everywhere). Megatron's optimizers skip a step only under an fp16 loss scaler; in fp32 and
-        bf16 they would apply a NaN or inf gradient and write NaN into every weight. One inf-norm reduction per grad
-        buffer (reduced gradients, in fp32), no copy of it; NaN propagates through it."""
-        return self._elements_finite() and (self.cfg.optimizer.clip_grad == 0 or self._norm_finite())
+        """Whether every gradient of this step is finite, and their global norm too, on every rank (the same answer
+        everywhere). Megatron's optimizers skip a step only under an fp16 loss scaler; in fp32 and bf16 they would
+        apply a NaN or inf gradient and write NaN into every weight. One inf-norm reduction per grad buffer (reduced
+        gradients, in fp32), no copy of it; NaN propagates through it."""
+        return self._elements_finite() and self._norm_finite()
 
     def _norm_finite(self) -> bool:
-        """Whether the global gradient norm that Megatron's clip divides by is finite. Finite gradients overflow it in
-        float32 (from ~1.8e19): the clip scales every gradient by max_norm / inf = 0 and the optimizer still steps,
-        Adam's moments moving the weights on zero gradients, its step count and the schedule advancing. The norm is
-        Megatron's own (get_grad_norm, the same on every rank) of the main gradients that prepare_grads copies in;
-        step() copies them again (idempotent without an fp16 loss scaler, which no config builds) and recomputes it
-        to clip: one more pass over the gradients per step."""
+        """Whether the global gradient norm is finite. Finite gradients overflow it in float32 (from ~1.8e19). With
+        clipping on, the clip scales every gradient by max_norm / inf = 0 and the optimizer still steps, Adam's
+        moments moving the weights on zero gradients, its step count and the schedule advancing; with clipping off,
+        Adam squares the largest gradients into second moments of inf, which freeze those weights for the rest of
+        the run (their update is 0 from then on). The norm is Megatron's own (get_grad_norm, the same on every rank)
+        of the main gradients that prepare_grads copies in; step() copies them again (idempotent without an fp16
+        loss scaler, which no config builds) and recomputes it: one more pass over the gradients per step."""
         self.optimizer.prepare_grads()
         return math.isfinite(float(self.optimizer.get_grad_norm()))
 
