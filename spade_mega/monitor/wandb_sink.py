@@ -41,7 +41,7 @@ from spade_mega.files import replace_atomically
 
 log = logging.getLogger("spade_mega.monitor")
 WANDB_EXTRA = "pip install 'spade-mega[wandb]'"
-OLDEST_WANDB = (0, 31)  # the oldest tested: wandb.login(prompt=False) and Settings(finish_timeout_raises) are recent
+OLDEST_WANDB = (0, 31)  # the oldest tested; wandb.login(prompt=False), which the sink calls, is new in 0.30
 DEFAULT_PROJECT = "spade-mega"
 RUN_ID_FILE = "wandb_run_id"
 STEP_METRIC = "rollout"  # W&B's x-axis: the record's step; metric names hold a '/', so none is called this
@@ -69,12 +69,13 @@ def import_wandb() -> ModuleType:
 
 
 def check_wandb_version(version: str) -> None:
-    """An older wandb lacks calls the sink makes; it would fail at its start with a TypeError naming none of this."""
+    """Below the oldest tested wandb, refused by name: one before 0.30 has no wandb.login(prompt=False) and would fail
+    at the run's start with a TypeError naming none of this."""
     found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
     if found < OLDEST_WANDB:
         oldest = ".".join(map(str, OLDEST_WANDB))
         raise WandbError(f"logging.wandb.enabled is true but wandb {version} is older than {oldest}, the oldest "
-                         f"spade-mega runs with: pip install -U 'wandb>={oldest}' ({WANDB_EXTRA} does), or set "
+                         f"spade-mega is tested with: pip install -U 'wandb>={oldest}' ({WANDB_EXTRA} does), or set "
                          "logging.wandb.enabled=false")
 
 
