@@ -213,6 +213,10 @@ class SelfPlayConfig:
     global_batch_size: int = 192  # samples per optimizer step; one rollout may give several steps
     save_interval: int = 10  # rollouts between checkpoints (model, optimizer and the loop's state); the last is saved
     keep_checkpoints: Optional[int] = 2  # newest checkpoints kept (None keeps all)
+    # Periodic checkpoints written in the background (Megatron-Core's asynchronous save): training goes on once the
+    # state is copied to host memory; the checkpoint counts (newest for a resume, for keep_checkpoints) once every
+    # rank has written it, checked after each rollout. The last save and a SIGUSR1 stop's save wait for their files.
+    async_save: bool = False
     # Environment slots the designer left empty (invalid programs) are filled with library programs of the active
     # skills, so the agent always has its envs_per_rollout environments; they never pay a designer. A tiny random
     # model never writes a valid program: without it the demo would train on nothing but designer penalties.

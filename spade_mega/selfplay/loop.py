@@ -584,6 +584,9 @@ class SelfPlay:
                     actor = _from_rank0(self._start_actor, share=False)
                     try:
                         return self._run(trainer, actor, checkpoint, state, stop, metrics)
+                    except BaseException:
+                        trainer.abandon_save()
+                        raise
                     finally:
                         if actor is not None:
                             actor.close()
@@ -646,8 +649,10 @@ class SelfPlay:
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
-                    self._save(trainer, actor, r)
-                    values["time/checkpoint_s"] = time.perf_counter() - started
+                    self._save(trainer, actor, r, values, final=r == total or stopped)
+                    values["time/checkpoint_s"] = time.perf_counter() - started  # the part training waited for
+                elif cfg.selfplay.async_save:  # a background save written on every rank becomes the newest checkpoint
+                    self._complete_save(trainer, actor, values, wait=False)
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
                 # written, then evaluated (after the save): an evaluation that fails (an engine out of memory on long
@@ -745,12 +750,18 @@ class SelfPlay:
         jsonl = self.cfg.logging.jsonl
         return bool(_from_rank0(lambda: not (jsonl and scores_logged(self.run_dir / METRICS_FILE, r)), share=True))
 
-    def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int) -> None:
+    def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int, values: dict[str, float], *,
+              final: bool) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective). After rollouts that
         took no optimizer step (``rl.filter_zero_std_groups`` with every group flat, every play broken) the trainer's
         checkpoint of its step is already on disk and unchanged: only the loop state is written, atomically. Saved
         again, a job killed during that save left the new loop state beside the old checkpoint, and the resumed run
-        went on after this rollout, whose metrics record (logged after the save) was never written."""
+        went on after this rollout, whose metrics record (logged after the save) was never written.
+
+        With ``selfplay.async_save`` a periodic checkpoint's files are written in the background (the run's last and a
+        stop's are waited for): a save still being written completes first. A loop state counts only beside its
+        complete checkpoint (state.py), so the one written now waits, ignored, until its checkpoint completes."""
+        self._complete_save(trainer, actor, values, wait=True)
 
         def loop_state() -> None:
             assert actor is not None  # rank 0's
@@ -760,11 +771,22 @@ class SelfPlay:
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
         _from_rank0(loop_state, share=False)
+        background = self.cfg.selfplay.async_save and not final
         if trainer.step != self.on_disk:  # every rank took the same steps, so all agree
-            trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints)
+            trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints, background=background)
             self.on_disk = trainer.step
-        if actor is not None:
+        if actor is not None and trainer.pending_save is None:
             self.store.prune_states()
+
+    def _complete_save(self, trainer: Trainer, actor: Optional[_Actor], values: dict[str, float], *,
+                       wait: bool) -> None:
+        """The background save, once written on every rank (``wait``: waiting for it), made a checkpoint; its write's
+        duration is ``time/checkpoint_write_s``. Collective."""
+        took = trainer.finish_save(wait=wait)
+        if took is not None:
+            values["time/checkpoint_write_s"] = took
+            if actor is not None:
+                self.store.prune_states()
 
 
 def _fixed_programs(envs: Sequence[FixedEnvConfig]) -> list[EnvProgram]:

@@ -1,0 +1,104 @@
+"""selfplay.async_save: the loop's periodic checkpoints written in the background. The real loop (agent-only, the
+tiny Megatron model on gloo, environment programs in sandbox workers): the same run with and without it logs the same
+metrics and ends with the same checkpoint, tensor for tensor; the write's duration is logged when a save completes;
+keep_checkpoints and the loop states count completed saves only; a run that fails while a save is being written leaves
+it incomplete and the previous checkpoint the newest."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from sandbox_support import strict_missing
+
+from spade_mega.config.loader import load_config
+from spade_mega.megatron.checkpoint import MANIFEST
+from spade_mega.selfplay.loop import SelfPlay
+from spade_mega.selfplay.state import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s", "gpu/")
+
+
+def _config(tmp_path: Path, name: str, *extra: str):
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    return load_config(ROOT / "examples" / "configs" / "tiny_learn.yaml", [
+        f"run.output_dir={tmp_path}", f"run.name={name}", "logging.progress=false", "logging.tensorboard=false",
+        *isolation, "rollout.agent_trajectories_per_env=4", "selfplay.global_batch_size=4", "selfplay.num_rollouts=4",
+        "selfplay.save_interval=2", "selfplay.keep_checkpoints=1",
+        f"selfplay.environments=[{{path: {ROOT / 'examples' / 'envs' / 'first_char.py'}, hint: h, skill: logic}}]",
+        *extra])
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _tensors(checkpoint: Path, out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("async_save")
+    for name, on in (("sync", "false"), ("async", "true")):
+        SelfPlay(_config(base, name, f"selfplay.async_save={on}")).run()
+    return {name: base / name for name in ("sync", "async")}
+
+
+@pytest.mark.slow
+def test_a_run_saving_in_the_background_trains_and_saves_as_one_saving_in_the_foreground(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    sync, background = _records(runs["sync"]), _records(runs["async"])
+    assert sorted(background) == [1, 2, 3, 4]
+
+    def untimed(record: dict) -> dict:
+        return {k: v for k, v in record.items() if not k.startswith(TIMING)}
+
+    assert all(untimed(sync[r]) == untimed(background[r]) for r in (1, 2, 3, 4))
+    assert [r for r in (1, 2, 3, 4) if "time/checkpoint_s" in background[r]] == [2, 4]
+    # rollout 2's save completes after rollout 3 (written by then: its write takes well under a rollout here) or, at
+    # the latest, at rollout 4's save, which waits for it; rollout 4's, the last, is written before the run ends
+    assert [r for r in (1, 2, 3, 4) if "time/checkpoint_write_s" in background[r]] in ([3], [4])
+    assert not any("time/checkpoint_write_s" in record for record in sync.values())
+    stores = [CheckpointStore(runs[name]) for name in ("sync", "async")]
+    for store in stores:  # keep_checkpoints 1, and the loop state of that checkpoint only
+        assert sorted(p.name for p in store.root.iterdir()) == ["selfplay", "step_00000004"]
+        assert sorted(p.name for p in store.states.iterdir()) == ["step_00000004.json"]
+    assert stores[0].read_state(stores[0].latest()) == stores[1].read_state(stores[1].latest())
+    saved = [_tensors(store.latest(), tmp_path / f"{i}.pt") for i, store in enumerate(stores)]
+    assert saved[0].keys() == saved[1].keys() and any(k.startswith("optimizer.state.exp_avg") for k in saved[0])
+    for key, value in saved[0].items():
+        assert torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor) else value == saved[1][key], key
+
+
+class _Failed(Exception):
+    """A failure of the rollout after a background save began (an engine lost, a bug)."""
+
+
+@pytest.mark.slow
+def test_a_run_failing_while_its_save_is_written_leaves_it_incomplete_and_names_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    train = SelfPlay._train
+
+    def fails_at_rollout_2(self: SelfPlay, trainer, samples, r):  # type: ignore[no-untyped-def]
+        if r == 2:
+            raise _Failed("rollout 2 failed")
+        return train(self, trainer, samples, r)
+
+    cfg = _config(tmp_path, "failed", "selfplay.async_save=true", "selfplay.save_interval=1")
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="spade_mega.megatron"):
+        patch.setattr(SelfPlay, "_train", fails_at_rollout_2)
+        with pytest.raises(_Failed):
+            SelfPlay(cfg).run()
+    store = CheckpointStore(tmp_path / "failed")
+    assert store.latest() is None  # rollout 1's save, being written, was not completed
+    partial = list(store.root.glob(".step_00000001.partial-*"))
+    assert len(partial) == 1 and not (partial[0] / MANIFEST).exists()
+    assert any(f"{store.root / 'step_00000001'}: not completed" in r.getMessage() for r in caplog.records)
