@@ -91,9 +91,10 @@ def _raises(fn: Callable[[], Any]) -> Optional[str]:
 # --- 1. CUDA runtime calls ------------------------------------------------------------------------------------------
 # Upstream: ~60 call sites pass device=torch.cuda.current_device() (rotary inv_freq, router aux-loss buffers, p2p
 # receive buffers, DDP grad buffers); DDP's grad sync and the MoE all-to-all dispatcher order work with
-# torch.cuda.current_stream()/Stream()/stream()/Event(); dist_checkpointing calls torch.cuda.synchronize(). A CPU-only
-# torch raises "Torch not compiled with CUDA enabled" on each. On the host all work is synchronous, so the device is
-# the CPU, a stream is a no-op and an event is always complete.
+# torch.cuda.current_stream()/Stream()/stream()/Event(); dist_checkpointing calls torch.cuda.synchronize() (its
+# asynchronous save also puts its ranks' write-done flags on torch.cuda.current_device()). A CPU-only torch raises
+# "Torch not compiled with CUDA enabled" on each. On the host all work is synchronous, so the device is the CPU, a
+# stream is a no-op and an event is always complete.
 
 _CUDA_RUNTIME_CALL = re.compile(r"torch\.cuda\.(current_device|current_stream|Stream|stream|Event|synchronize)\(")
 _MEGATRON_PACKAGES = ("transformer", "models/gpt", "models/common", "tensor_parallel", "pipeline_parallel",
