@@ -505,7 +505,13 @@ def test_a_new_run_whose_wandb_cannot_start_stops_every_rank_before_the_model_is
                                f"run.output_dir={tmp_path / 'runs'}", "logging.wandb.enabled=true"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
-    errors = [rank.communicate(timeout=240)[1] for rank in ranks]
+    try:
+        errors = [rank.communicate(timeout=240)[1] for rank in ranks]
+    finally:  # a rank left waiting for its peer (the failure this test looks for) must not outlive it
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
     assert [rank.returncode for rank in ranks] == [2, 2], errors
     refused = "logging.wandb: wandb.init failed for run id "
     lasts = [error.strip().splitlines()[-1] for error in errors]
