@@ -145,10 +145,11 @@ def test_a_stopped_server_takes_its_temporary_log_along(tmp_path, monkeypatch):
 
 
 class _NoServerSGLang(SGLangEngine):
-    """The SGLang engine's translation without a server: built on the tiny model's folder, never sends."""
+    """The SGLang engine's translation without a server: built on the tiny model's folder, never sends (a call that
+    reaches for the server fails at once: no retries, no waiting for it to come up)."""
 
     def __init__(self, folder: Path) -> None:
-        super().__init__([Server("SGLang", "http://127.0.0.1:1")], folder, eos_token_id=EOS)
+        super().__init__([Server("SGLang", "http://127.0.0.1:1")], folder, eos_token_id=EOS, request_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -336,8 +337,9 @@ def test_a_reply_cut_short_is_an_engine_error_naming_the_request(model_folder):
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutShortHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    # its health check is cut short too: the engine waits startup_timeout_s for it to recover, then fails
     engine = SGLangEngine([Server("SGLang", f"http://127.0.0.1:{httpd.server_address[1]}")], model_folder,
-                          eos_token_id=EOS)
+                          eos_token_id=EOS, startup_timeout_s=1, retry_backoff_s=0.05)
     try:
         expected = r"SGLang request 0 \(.*\): .*did not answer POST /generate \(IncompleteRead"
         with pytest.raises(EngineError, match=expected):
@@ -543,7 +545,9 @@ def test_vllm_weight_update_serves_exactly_the_new_weights(vllm, weights, model_
     names = sorted(new)
     vllm.update_weights([{n: new[n] for n in names[:5]}, {n: new[n] for n in names[5:]}], version=1)
     assert vllm.weight_version == 1
-    assert not any(vllm._sync_root.iterdir())  # loaded: the staged copy no longer holds the model's size in RAM
+    # loaded: only the served version's staged copy stays, to restart a server that dies with (one model's size in
+    # RAM; none with inference.max_server_restarts 0, tests/test_engine_fault_tolerance.py)
+    assert list(vllm._sync_root.iterdir()) == [vllm._served_folder]
     after = vllm.generate(greedy)
     assert [g.output_ids for g in after] != [g.output_ids for g in before]
     new_model = hf_model(new, model_folder)
@@ -687,6 +691,48 @@ def test_vllm_sleeps_and_wakes_around_a_weight_update(vllm, weights):
     assert vllm.servers[0].request("GET", "/is_sleeping", timeout_s=30) == {"is_sleeping": False}
     after = vllm.generate(greedy)[0]
     assert after.output_ids == before and after.weight_version == version
+
+
+@pytest.mark.engine
+def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(vllm, weights, model_folder, caplog):
+    """kill -9 of the real server while a generate call has many requests in flight: the engine restarts it (on the
+    folder it was started on), loads the current weights (the last update's staged folder, not that folder's), redoes
+    the failed requests with their seeds, and the call returns every completion as those weights give them (greedy:
+    the forward's argmax; log-probs: the forward's) and as before the kill (seeded samples too). One server start."""
+    import logging
+    import signal
+    import threading
+
+    generator = torch.Generator().manual_seed(11)
+    new = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}
+    version = vllm.weight_version + 1
+    vllm.update_weights([new], version=version)
+    greedy = [request(PROMPTS[i % 3] * (1 + i % 4), max_new_tokens=24, temperature=0.0) for i in range(12)]
+    seeded = [request(PROMPTS[i % 3], max_new_tokens=24, temperature=1.0, seed=100 + i) for i in range(12)]
+    started = time.monotonic()
+    before = vllm.generate(greedy + seeded)
+    took = time.monotonic() - started
+    server, restarts = vllm.servers[0], vllm.recoveries["server_restarts"]
+    pid = server.process.pid
+    killer = threading.Timer(took / 2, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+        after = vllm.generate(greedy + seeded)
+    killer.join()
+    assert server.process.pid != pid and vllm.recoveries["server_restarts"] == restarts + 1
+    assert f"vLLM server at {server.url} (pid {pid}): it exited with status -9" in caplog.text
+    assert f"with weights version {version}" in caplog.text
+    assert [g.output_ids for g in after] == [g.output_ids for g in before]
+    model = hf_model(new, model_folder)
+    for generation, temperature in zip(after, [0.0] * 12 + [1.0] * 12):
+        assert generation.weight_version == version
+        expected, argmax = forward_logprobs(model, generation, temperature)
+        if temperature == 0.0:
+            assert list(generation.output_ids) == argmax.tolist()
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+    time.sleep(0.5)  # the restart came from a request thread, gone now: the server must not have gone with it
+    assert server.alive() and vllm.generate(greedy[:1])[0].output_ids == before[0].output_ids
+    print(f"first call {took:.1f} s; killed at {took / 2:.1f} s")
 
 
 @pytest.mark.engine

@@ -177,10 +177,21 @@ class InferenceConfig:
     # machine with a GPU; they need --enable-memory-saver / --enable-sleep-mode (the launcher and a run that starts
     # its own server add it). Not for the hf engine, which runs inside the trainer's process.
     release_memory: Literal["auto", True, False] = "auto"
+    # Fault tolerance of the server engines (docs/inference_servers.md): a request that fails for a passing reason
+    # (refused, reset, HTTP 429/502/503/504, a server found dead) is redone up to request_retries times, waiting
+    # retry_backoff_s, doubled each time (at most 30 s); a server this run started that died is restarted with the
+    # weights of the current version, at most max_server_restarts times within restart_window_s (0: never; then its
+    # staged weights are not kept). An attached server that stops answering is waited for up to startup_timeout_s.
+    request_retries: int = 3
+    retry_backoff_s: float = 1.0
+    max_server_restarts: int = 3
+    restart_window_s: float = 3600.0
 
     def check(self) -> None:
         _positive("inference", self, "max_batch_size", "tensor_parallel", "startup_timeout_s", "request_timeout_s",
-                  "concurrency")
+                  "concurrency", "restart_window_s")
+        for name in ("request_retries", "retry_backoff_s", "max_server_restarts"):
+            _require(getattr(self, name) >= 0, f"inference.{name}", f"must be >= 0, got {getattr(self, name)}")
         _require(self.prefix_cache_mb >= 0, "inference.prefix_cache_mb",
                  f"must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}")
         for i, url in enumerate(self.server_urls):

@@ -66,6 +66,20 @@ class HTTPStatusError(EngineError):
         self.message = message
 
 
+class ServerUnreachable(EngineError):
+    """The server did not answer: ``refused`` (nothing listened: it was down before the request), or the connection
+    broke or ``timed_out`` while it was being served."""
+
+    def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.refused, self.timed_out = refused, timed_out
+
+
+# statuses of a server that is busy, restarting or behind a proxy whose backend is: the request itself is fine
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+BACKOFF_CAP_S = 30.0
+
+
 def _error_message(body: bytes) -> str:
     """The human part of an error reply (vLLM and SGLang nest it differently), else the raw body, shortened."""
     text = body.decode("utf-8", errors="replace").strip()
@@ -104,6 +118,21 @@ def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
             time.sleep(0.05)
 
 
+_spawner: Optional[ThreadPoolExecutor] = None
+_spawner_lock = threading.Lock()
+
+
+def _from_lasting_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on one thread that lives as long as the interpreter. A server's parent-death signal
+    (:func:`_die_with_parent`) fires when the *thread* that started it exits: a restart asked for by a request thread
+    of the engine's pool, which ends with the generate call, would otherwise kill the server it just started."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spade-server-spawn")
+    return _spawner.submit(fn).result()
+
+
 def _die_with_parent() -> Optional[Callable[[], None]]:
     """A ``preexec_fn`` that has the kernel SIGTERM the server when the process that starts it dies, however it dies
     (torchrun SIGTERMs the other ranks when one fails, a user may kill -9 a run: neither runs exit hooks, and the
@@ -132,9 +161,14 @@ class Server:
         self.name, self.url = name, url.rstrip("/")
         self.process, self.log_path = process, log_path
         self.command = ""  # what was started, for error messages
+        self._argv: list[str] = []  # what was started, to start it again
+        self._env: Optional[dict[str, str]] = None
         self._own_log = False
         # a server left running by an engine nobody closed still goes when the interpreter exits
         self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
+        self.incarnation = 0  # restarts so far: a request that failed on an earlier one is simply redone
+        self.restart_times: list[float] = []  # time.monotonic() of each restart, for the engine's bound
+        self.recovery_lock = threading.Lock()  # one request thread recovers the server, the others wait for it
 
     @classmethod
     def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
@@ -146,25 +180,53 @@ class Server:
             os.close(handle)
             log_path = Path(raw)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log_file:  # a restarted server (a resumed run) keeps the earlier lines
-            try:
-                process = subprocess.Popen(list(command), stdout=log_file, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, env=dict(env) if env is not None else None,
-                                           start_new_session=True, preexec_fn=_die_with_parent())
-            except OSError as exc:
-                if own_log:
-                    log_path.unlink(missing_ok=True)
-                raise EngineError(f"cannot start the {name} server ({command[0]}: {exc.strerror}); set "
-                                  "inference.server_python to a Python that has it") from None
-        server = cls(name, f"http://127.0.0.1:{port}", process, log_path)
-        server.command, server._own_log = " ".join(command), own_log
-        log.info("started %s server (pid %d) on port %d, log %s", name, process.pid, port, log_path)
+        server = cls(name, f"http://127.0.0.1:{port}", None, log_path)
+        server.command, server._argv, server._own_log = " ".join(command), list(command), own_log
+        server._env = dict(env) if env is not None else None
+        try:
+            server._spawn()
+        except EngineError:
+            if own_log:
+                log_path.unlink(missing_ok=True)
+            raise
         try:
             server.wait_healthy(health_path, timeout_s)
         except BaseException:
             server.stop()
             raise
         return server
+
+    def _spawn(self) -> None:
+        assert self.log_path is not None
+        with open(self.log_path, "ab") as log_file:  # a restarted server (a resumed run) keeps the earlier lines
+            try:
+                process = subprocess.Popen(self._argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=self._env, start_new_session=True,
+                                           preexec_fn=_die_with_parent())
+            except OSError as exc:
+                raise EngineError(f"cannot start the {self.name} server ({self._argv[0]}: {exc.strerror}); set "
+                                  "inference.server_python to a Python that has it") from None
+        self.process = process
+        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0)
+        log.info("started %s server (pid %d) at %s, log %s", self.name, process.pid, self.url, self.log_path)
+
+    def restart(self, health_path: str, timeout_s: float, why: str) -> None:
+        """Stop what is left of a server this process started (its whole group: workers outlive a crashed server)
+        and start the same command on the same port again, appending to its log; wait for its health."""
+        assert self.process is not None, "only a server this process started can be restarted"
+        _terminate_group(self.process, 5.0)  # dead or hung: no long grace
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        assert self.log_path is not None
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"\n--- spade-mega restarts this server: {why} ---\n".encode())
+        _from_lasting_thread(self._spawn)
+        self.incarnation += 1
+        try:
+            self.wait_healthy(health_path, timeout_s)
+        except BaseException:
+            _terminate_group(self.process, 5.0)
+            raise
 
     @classmethod
     def attach(cls, name: str, url: str, *, health_path: str, timeout_s: float) -> "Server":
@@ -212,8 +274,10 @@ class Server:
             state = ""
             if self.process is not None and self.process.poll() is not None:
                 state = f"; the server exited with status {self.process.returncode}{self.log_tail()}"
-            raise EngineError(f"{self.name} server at {self.url} did not answer {method} {path} ({reason}){state}") \
-                from None
+            cause = reason if isinstance(reason, BaseException) else exc
+            raise ServerUnreachable(f"{self.name} server at {self.url} did not answer {method} {path} ({reason})"
+                                    f"{state}", refused=isinstance(cause, ConnectionRefusedError),
+                                    timed_out=isinstance(cause, TimeoutError)) from None
         try:
             return json.loads(raw) if json_reply and raw.strip() else None
         except ValueError:
@@ -223,6 +287,14 @@ class Server:
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
+
+    def healthy(self, health_path: str) -> bool:
+        """Whether its health endpoint answers 200 now (within a few seconds)."""
+        try:
+            self.request("GET", health_path, timeout_s=5.0, json_reply=False)
+            return True
+        except EngineError:
+            return False
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of the server's log, formatted to end an error message ("" for an attached server)."""
@@ -290,6 +362,14 @@ def write_model_folder(folder: Path, model: Any, tokenizer: Any, *, seed: int = 
     return folder
 
 
+def _error_args(exc: EngineError, suffix: str) -> tuple:
+    """``exc``'s constructor arguments with ``suffix`` added to its message (the same kind of error, said more)."""
+    if isinstance(exc, HTTPStatusError):
+        return exc.status, exc.message + suffix
+    return (str(exc) + suffix,)
+
+
+
 def _default_sync_root() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -304,13 +384,25 @@ class ServerEngine(ABC):
 
     def __init__(self, servers: Sequence[Server], model_dir: Path, *, eos_token_id: int, concurrency: int = 64,
                  request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None,
-                 release_memory: bool = False) -> None:
+                 release_memory: bool = False, startup_timeout_s: float = 600.0, request_retries: int = 3,
+                 retry_backoff_s: float = 1.0, max_server_restarts: int = 3,
+                 restart_window_s: float = 3600.0) -> None:
         if not servers:
             raise EngineError(f"{self.name} engine: no server to talk to")
         self.servers, self.model_dir = list(servers), Path(model_dir)
         self.eos_token_id = eos_token_id
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
         self.releases_memory = release_memory
+        self.startup_timeout_s, self.request_retries, self.retry_backoff_s = (startup_timeout_s, request_retries,
+                                                                              retry_backoff_s)
+        self.max_server_restarts, self.restart_window_s = max_server_restarts, restart_window_s
+        # what recovery did over the engine's life (the loop logs them as inference/*)
+        self.recoveries = {"request_retries": 0, "server_restarts": 0}
+        self._recoveries_lock = threading.Lock()
+        # a server this run started is restarted with the current weights: the staged folder of the last update is
+        # kept for it (None: the weights are model_dir's)
+        self._restartable = max_server_restarts > 0 and any(server.process is not None for server in servers)
+        self._served_folder: Optional[Path] = None
         self._released: dict[str, set[str]] = {server.url: set() for server in servers}  # memory tags, per server
         # why the served weights are unknown (a reload failed part way, a server woken at start lost them)
         self._broken: Optional[str] = None
@@ -365,7 +457,8 @@ class ServerEngine(ABC):
         server = Server.start(cls.name, command, port=port, health_path=cls.health_path, timeout_s=startup_timeout_s,
                               env={**os.environ, **cls.server_env(), **(env or {})}, log_path=log_path)
         try:
-            return cls([server], model_dir, eos_token_id=eos_token_id, **engine_kwargs)
+            return cls([server], model_dir, eos_token_id=eos_token_id, startup_timeout_s=startup_timeout_s,
+                       **engine_kwargs)
         except BaseException:
             server.stop()
             raise
@@ -376,7 +469,8 @@ class ServerEngine(ABC):
         """The engine over servers someone else started (a SLURM job's) on ``model_dir``, at ``urls``."""
         servers = [Server.attach(cls.name, url, health_path=cls.health_path, timeout_s=startup_timeout_s)
                    for url in urls]
-        return cls(servers, Path(model_dir), eos_token_id=eos_token_id, **engine_kwargs)
+        return cls(servers, Path(model_dir), eos_token_id=eos_token_id, startup_timeout_s=startup_timeout_s,
+                   **engine_kwargs)
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any) -> "ServerEngine":
@@ -389,7 +483,9 @@ class ServerEngine(ABC):
         common = dict(eos_token_id=tokenizer.eos_token_id, concurrency=inf.concurrency,
                       request_timeout_s=inf.request_timeout_s, startup_timeout_s=inf.startup_timeout_s,
                       weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None,
-                      release_memory=releases_memory(cfg))
+                      release_memory=releases_memory(cfg), request_retries=inf.request_retries,
+                      retry_backoff_s=inf.retry_backoff_s, max_server_restarts=inf.max_server_restarts,
+                      restart_window_s=inf.restart_window_s)
         urls = list(inf.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
         if common["release_memory"] and not urls and not torch.cuda.is_available():
             raise ConfigError("inference.release_memory", f"is true, but the {cls.name} server this run starts would "
@@ -445,7 +541,7 @@ class ServerEngine(ABC):
 
     def _release_one(self, server: Server) -> None:
         try:
-            self._release(server)
+            self._with_recovery(server, f"{self.name} memory release", self._release)
         except EngineError as exc:
             raise EngineError(f"{self.name} server at {server.url} did not release its GPU memory ({exc}), so the "
                               "trainer would step beside its weights and KV cache; its log says why (or set "
@@ -453,8 +549,12 @@ class ServerEngine(ABC):
         self._released[server.url].update(MEMORY_TAGS)
 
     def _resume_one(self, server: Server, tag: MemoryTag) -> None:
+        def resume(server: Server) -> None:
+            if tag in self._released[server.url]:  # else a restart redone since holds all its memory
+                self._resume(server, tag, last=self._released[server.url] == {tag})
+
         try:
-            self._resume(server, tag, last=self._released[server.url] == {tag})
+            self._with_recovery(server, f"{self.name} memory resume", resume)
         except EngineError as exc:
             raise EngineError(f"{self.name} server at {server.url} did not take back the GPU memory of its {tag} "
                               f"({exc}): it cannot serve until it does; its log says why") from None
@@ -553,8 +653,8 @@ class ServerEngine(ABC):
                f"max_new_tokens {request.sampling.max_new_tokens})"
         try:
             server = self.servers[index % len(self.servers)]  # the rollout passes whole batches: round robin
-            reply = server.request("POST", self.generate_path, self._payload(server, request),
-                                   timeout_s=self.request_timeout_s)
+            reply = self._with_recovery(server, what, lambda server: server.request(
+                "POST", self.generate_path, self._payload(server, request), timeout_s=self.request_timeout_s))
         except EngineError as exc:
             raise EngineError(f"{what}: {exc}") from None
         try:
@@ -586,6 +686,117 @@ class ServerEngine(ABC):
     def _parse(self, reply: Any) -> tuple[list[int], list[float], str]:
         """Output ids, their log-probs and the finish reason ("stop"/"length") of one reply."""
 
+    # ---- fault tolerance --------------------------------------------------------------------------------------
+
+    def _with_recovery(self, server: Server, what: str, call: Callable[[Server], Any], *,
+                       redo_after_death: bool = True) -> Any:
+        """``call(server)``, redone (the same request: the same seed) after a failure that is not the request's own
+        fault: the server refused the connection, broke it, timed out, or answered 429/502/503/504. Before each
+        redo the server is recovered (:meth:`_recover`: waited for, or restarted when this run started it and it
+        died); a redo after a plain busy answer waits ``retry_backoff_s``, doubled each time. A timeout on a server
+        that is still healthy is the request's (too slow for ``request_timeout_s``) and is not redone; nor, with
+        ``redo_after_death`` False, a call during which the server died."""
+        retries, backoff = 0, self.retry_backoff_s
+        while True:
+            incarnation = server.incarnation
+            try:
+                return call(server)
+            except EngineError as exc:
+                if not self._transient(server, exc):
+                    raise
+                if retries >= self.request_retries:
+                    if retries:
+                        raise type(exc)(*_error_args(exc, f" (still failing after {retries} retries: "
+                                                          "inference.request_retries)")) from None
+                    raise
+                refused = isinstance(exc, ServerUnreachable) and exc.refused
+                if not redo_after_death and not refused and not server.healthy(self.health_path):
+                    raise  # it died or is dying during the call: the next call restarts it
+                restarted = self._recover(server, incarnation, what, exc)
+                if not restarted and isinstance(exc, ServerUnreachable) and exc.timed_out:
+                    raise EngineError(f"{exc}: it took longer than inference.request_timeout_s "
+                                      f"({self.request_timeout_s:.0f} s) while the server stayed healthy; raise "
+                                      "the timeout") from None
+                retries += 1
+                self._count("request_retries")
+                log.warning("%s server at %s: %s failed (%s); retry %d of %d%s", self.name, server.url, what,
+                            str(exc).split("\n", 1)[0][:300], retries, self.request_retries,
+                            " on the restarted server" if restarted else f" in {backoff:.1f} s")
+                if not restarted:
+                    time.sleep(backoff)
+                    backoff = min(2 * backoff, max(BACKOFF_CAP_S, self.retry_backoff_s))
+
+    @staticmethod
+    def _transient(server: Server, exc: EngineError) -> bool:
+        if isinstance(exc, ServerUnreachable):
+            return True
+        if isinstance(exc, HTTPStatusError):  # a 500 of a server that then died was the death, not the request
+            return exc.status in TRANSIENT_STATUSES or (exc.status >= 500 and not server.alive())
+        return False
+
+    def _recover(self, server: Server, incarnation: int, what: str, failure: EngineError) -> bool:
+        """Bring ``server`` back after ``failure``; whether it was restarted (by this call or, since
+        ``incarnation``, by another request's). A server this run started that died, or that does not answer its
+        health check within ``startup_timeout_s``, is restarted; an attached one is waited for that long, then an
+        :class:`EngineError` says it cannot be restarted from here."""
+        with server.recovery_lock:  # one request thread recovers; the others find it done
+            if server.incarnation != incarnation:
+                return True
+            deadline = time.monotonic() + self.startup_timeout_s
+            while True:
+                if not server.alive():
+                    self._restart(server, f"it exited with status {server.process.returncode} "  # type: ignore
+                                          f"({what} failed: {str(failure).splitlines()[0][:200]})")
+                    return True
+                if server.healthy(self.health_path):
+                    return False
+                if time.monotonic() > deadline:
+                    if server.process is None:
+                        raise EngineError(f"{self.name} server at {server.url} has not answered GET "
+                                          f"{self.health_path} for {self.startup_timeout_s:.0f} s since {what} "
+                                          f"failed ({str(failure).splitlines()[0][:300]}); this run did not start "
+                                          "it, so it cannot restart it: restart it (or its job) and resume the run, "
+                                          "or raise inference.startup_timeout_s") from None
+                    self._restart(server, f"it did not answer GET {self.health_path} for "
+                                          f"{self.startup_timeout_s:.0f} s ({what} failed: "
+                                          f"{str(failure).splitlines()[0][:200]})")
+                    return True
+                time.sleep(0.5)
+
+    def _restart(self, server: Server, why: str) -> None:
+        """Restart ``server`` (and again while it dies starting) with the weights of the current version, at most
+        ``max_server_restarts`` times within ``restart_window_s``. It comes up holding all its memory, awake: a
+        redone release releases it again, a redone resume finds nothing left to take back."""
+        while True:
+            now = time.monotonic()
+            server.restart_times = [t for t in server.restart_times if now - t < self.restart_window_s]
+            if server.process is None or len(server.restart_times) >= self.max_server_restarts:
+                raise EngineError(
+                    f"{self.name} server at {server.url} is down: {why}; it was restarted "
+                    f"{len(server.restart_times)} times within {self.restart_window_s:.0f} s, the most "
+                    f"inference.max_server_restarts ({self.max_server_restarts}) allows in "
+                    f"inference.restart_window_s{server.log_tail()}")
+            server.restart_times.append(now)
+            self._count("server_restarts")
+            log.warning("%s server at %s (pid %d): %s; restarting it (restart %d of at most %d within %.0f s) with "
+                        "weights version %d", self.name, server.url, server.process.pid, why,
+                        len(server.restart_times), self.max_server_restarts, self.restart_window_s, self._version)
+            try:
+                server.restart(self.health_path, self.startup_timeout_s, why)
+                self._released[server.url] = set()
+                if self._served_folder is not None:  # it starts on model_dir: version 0
+                    self._reload(server, self._served_folder, self._version)
+            except EngineError as exc:
+                why = f"its restart failed: {str(exc).splitlines()[0][:300]}"
+                continue
+            log.warning("%s server at %s restarted (pid %d), serving weights version %d", self.name, server.url,
+                        server.process.pid, self._version)
+            return
+
+    def _count(self, key: str) -> None:
+        with self._recoveries_lock:
+            self.recoveries[key] += 1
+
     # ---- weights ----------------------------------------------------------------------------------------------
 
     def update_weights(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
@@ -595,16 +806,61 @@ class ServerEngine(ABC):
         with self._lock:
             folder = self._stage(buckets, version)
             try:
-                self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
+                self._in_parallel(self._reload_one, [(server, folder, version) for server in self.servers],
                                   len(self.servers))
             except BaseException as exc:
+                shutil.rmtree(folder, ignore_errors=True)
                 if not isinstance(exc, EngineError):
                     self._broken = f"reloading weights version {version} was interrupted ({type(exc).__name__})"
                     raise
                 self._broken = f"reloading weights version {version} failed ({exc})"
                 raise EngineError(f"{self.name} engine: {self._broken}") from None
-            finally:  # the servers hold what they loaded: the folder would only cost the model's size in RAM
-                shutil.rmtree(folder, ignore_errors=True)
+            # the servers hold what they loaded: the folder would only cost the model's size in RAM, unless a
+            # server that dies must be restarted with it
+            previous, self._served_folder = self._served_folder, folder if self._restartable else None
+            for stale in (previous, None if self._restartable else folder):
+                if stale is not None:
+                    shutil.rmtree(stale, ignore_errors=True)
+            self._version, self._broken = version, None
+
+    def _reload_one(self, server: Server, folder: Path, version: int) -> None:
+        # redone only on a server that was down before it (refused) or busy: one that dies while loading may have
+        # died of these weights, and loading them again would kill it again
+        self._with_recovery(server, f"{self.name} weight reload {version}",
+                            lambda server: self._reload(server, folder, version), redo_after_death=False)
+
+    def load_folder(self, folder: Path, version: int) -> None:
+        """Serve the Hugging Face checkpoint in ``folder`` (safetensors) as weight version ``version``, on servers
+        someone else started (one started here starts on its folder). Each server loads it itself, as it loads a
+        staged update: nothing is copied, so ``folder`` must be at that path on each server's machine (a server on
+        another node reads its own file system). Its weights must be the served model's, every one with the same
+        shape: a server keeps what a folder leaves out (vLLM only warns), which would serve a mix of two models."""
+        folder = Path(folder).absolute()
+        started = [server.url for server in self.servers if server.process is not None]
+        if started:
+            raise EngineError(f"{self.name} engine: load_folder is for servers someone else started; the one at "
+                              f"{started[0]} was started here: start it on {folder} instead")
+        theirs = {name: shape for name, (shape, _) in checkpoint_weights(folder).items()
+                  if not (self.tie_embeddings and name == "lm_head.weight" and name not in self._weights)}
+        ours = {name: shape for name, (shape, _) in self._weights.items()}
+        if theirs != ours:
+            problems = [f"{len(names)} {what} (first: {', '.join(names[:3])})" for what, names in (
+                ("weights missing", sorted(set(ours) - set(theirs))),
+                ("unknown weights", sorted(set(theirs) - set(ours))),
+                ("of another shape", sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n]))) if names]
+            raise EngineError(f"{self.name} engine: {folder} is not a checkpoint of the served model "
+                              f"({self.model_dir}, the folder the servers were started on): {'; '.join(problems)}")
+        with self._lock:
+            try:
+                self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
+                                  len(self.servers))
+            except BaseException as exc:
+                self._broken = f"loading {folder} failed ({type(exc).__name__}: {exc})"
+                if not isinstance(exc, EngineError):
+                    raise
+                raise EngineError(f"{self.name} engine: {self._broken}. Each server reads the folder from its own "
+                                  "file system: one on another node needs it at this same path (a shared file "
+                                  "system)") from None
             self._version, self._broken = version, None
 
     def _stage(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> Path:
@@ -679,6 +935,9 @@ class ServerEngine(ABC):
                         log.warning("%s", exc)
                         break
             server.stop()
+        if self._served_folder is not None:
+            shutil.rmtree(self._served_folder, ignore_errors=True)
+            self._served_folder = None
         if self._own_sync_root:  # a shared weight_sync_dir holds nothing of ours by now
             shutil.rmtree(self._sync_root, ignore_errors=True)
 

@@ -265,6 +265,8 @@ class _Actor:
         metrics["envs/fixed"] = float(sum(e.origin == "fixed" for e in self.environments))
         metrics["designer/pending"] = float(len(self.buffer))
         metrics["memory/environments"] = float(len(self.memory))
+        # a server engine's redone requests and restarted servers since the run started (docs/inference_servers.md)
+        metrics.update({f"inference/{key}": float(n) for key, n in getattr(self.engine, "recoveries", {}).items()})
         self.clear_prefix_cache()
         if self.releases_memory:  # the trainer steps next on the same GPUs; every rank waits for this rollout
             started = time.perf_counter()

