@@ -129,24 +129,40 @@ def test_an_offline_wandb_run_holds_the_jsonl_records_and_the_resolved_config(tm
     assert math.isclose(history[3]["train/loss"], 1 / 3)
 
 
-# the resumed attempt first redoes the evaluation of its checkpoint's rollout (the loop's _evaluation_missing)
+# an attempt that dies after rollout 3 (an out-of-memory error raised inside the logger's `with`)
+DIES_AFTER_ROLLOUT_3 = """
+cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
+try:
+    with MetricsLogger(RUN_DIR, cfg) as m:
+        for s in (1, 2, 3):
+            m.log(s, {"agent/return": s / 4})
+        raise RuntimeError("out of memory")
+except RuntimeError:
+    pass
+"""
+# the resumed attempt first redoes the evaluation of its checkpoint's rollout (the loop's _evaluation_missing), then
+# logs rollout 4 and its evaluation scores, a second record of that step
 REDO_EVALUATION = """
 cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
 with MetricsLogger(RUN_DIR, cfg, resume_step=2) as m:
     m.log(2, {"eval/arithmetic/accuracy": 0.5})
     for s in (3, 4):
         m.log(s, {"agent/return": s / 4})
+    m.log(4, {"eval/arithmetic/accuracy": 0.75})
 """
 
 
 def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_path: Path) -> None:
     """An attempt that dies after rollout 3 (checkpoint at 2, its evaluation not logged) and its requeued job
     resuming from step 2 log to one W&B run, on the same x-axis: the redone evaluation of rollout 2 lands at rollout
-    2, although W&B holds rows up to 3 (an online W&B run ignores a row logged at an earlier step=). Starting the run
-    over (no checkpoint) in the same directory logs to a new one."""
+    2, although W&B holds rows up to 3 (an online W&B run ignores a row logged at an earlier step=). A second record
+    of a step (rollout 4's evaluation scores after its metrics) is a row of its own, sent at once (no row kept open
+    for a later record), at that rollout. W&B's run state (finished / failed) is how a sweep's crashed runs are
+    found: the attempt whose loop raised reports exit code 1, the others 0. Starting the run over (no checkpoint) in
+    the same directory logs to a new one."""
     run_dir = tmp_path / "runs" / "tiny"
     env = _env(tmp_path, WANDB_PROJECT="from-env")  # logging.wandb.project unset: W&B's own variable decides
-    _python(LOG_STEPS + f"log_steps({str(run_dir)!r}, [1, 2, 3])", env)
+    _python(LOG_STEPS + f"RUN_DIR = {str(run_dir)!r}" + DIES_AFTER_ROLLOUT_3, env)
     first_id = (run_dir / RUN_ID_FILE).read_text().strip()
     _python(LOG_STEPS + f"RUN_DIR = {str(run_dir)!r}" + REDO_EVALUATION, env)
     assert (run_dir / RUN_ID_FILE).read_text().strip() == first_id
@@ -155,45 +171,15 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_new_run_starts_another(tmp_
     written = _wandb_records(tmp_path / "wandb-files")
     attempts = _wandb_runs(tmp_path / "wandb-files", written)
     assert [(run["run_id"], [item["rollout"] for item in history]) for run, history in attempts] == \
-        [(first_id, [1, 2, 3]), (first_id, [2, 3, 4]), (new_id, [1])]
-    assert _ours(attempts[1][1][0]) == {"eval/arithmetic/accuracy": 0.5}
+        [(first_id, [1, 2, 3]), (first_id, [2, 3, 4, 4]), (new_id, [1])]
+    assert [(item["rollout"], _ours(item)) for item in attempts[1][1]] == \
+        [(2, {"eval/arithmetic/accuracy": 0.5}), (3, {"agent/return": 0.75}), (4, {"agent/return": 1.0}),
+         (4, {"eval/arithmetic/accuracy": 0.75})]
     assert all(_x_axes(records) == {"rollout": None, "*": "rollout"} for records in written)
     assert new_id != first_id and attempts[1][0]["resume"]
     assert {run["project"] for run, _ in attempts} == {"from-env"}
-
-
-def test_a_second_record_of_a_step_is_a_row_at_its_rollout(tmp_path: Path) -> None:
-    """The loop logs a rollout's metrics, then its evaluation scores as a second record of the same step: each is
-    a W&B row of its own, sent at once (no row kept open for a later record), both at that rollout."""
-    code = LOG_STEPS + f"""
-cfg = LoggingConfig(tensorboard=False, gpu_stats=False, wandb=WandbConfig(enabled=True))
-with MetricsLogger({str(tmp_path / 'run')!r}, cfg) as m:
-    m.log(1, {{"agent/return": 0.5}})
-    m.log(1, {{"eval/arithmetic/accuracy": 0.25}})
-    m.log(2, {{"agent/return": 1.0}})
-"""
-    _python(code, _env(tmp_path))
-    [(_, history)] = _wandb_runs(tmp_path / "wandb-files")
-    assert [(item["rollout"], _ours(item)) for item in history] == \
-        [(1, {"agent/return": 0.5}), (1, {"eval/arithmetic/accuracy": 0.25}), (2, {"agent/return": 1.0})]
-
-
-def test_a_run_that_ends_by_an_error_is_failed_in_wandb_and_its_resumed_attempt_finished(tmp_path: Path) -> None:
-    """W&B's run state (finished / failed) is how a sweep's crashed runs are found: an attempt whose loop raised
-    (inside the logger's ``with``) reports exit code 1, its resumed attempt ending normally 0."""
-    code = LOG_STEPS + f"""
-try:
-    with MetricsLogger({str(tmp_path / 'run')!r}, LoggingConfig(tensorboard=False, gpu_stats=False,
-                                                              wandb=WandbConfig(enabled=True))) as m:
-        m.log(1, {{"agent/return": 0.5}})
-        raise RuntimeError("out of memory")
-except RuntimeError:
-    pass
-log_steps({str(tmp_path / 'run')!r}, [2], resume_step=1)
-"""
-    _python(code, _env(tmp_path))
-    assert [[r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"]
-            for records in _wandb_records(tmp_path / "wandb-files")] == [[1], [0]]
+    assert [[r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"] for records in written] == \
+        [[1], [0], [0]]
 
 
 # two rollouts of the tiny model, as small as a run gets
