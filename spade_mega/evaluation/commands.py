@@ -1,6 +1,7 @@
 """``spade-mega eval CONFIG [KEY=VALUE ...] (--checkpoint DIR | --hf-weights DIR) [--suite NAME ...] [-o FILE]``:
 score a run's Megatron checkpoint (streamed into the engine through the bridge, as training syncs it) or a Hugging
-Face folder on the config's ``eval.suites``; print a table and write the results as JSON.
+Face folder on the config's ``eval.suites``; print a table and write the results as JSON. The weights named are the
+ones scored on every engine placement: servers it attaches to are loaded with them first.
 """
 
 from __future__ import annotations
@@ -43,16 +44,23 @@ def _eval(args: argparse.Namespace) -> int:
     from spade_mega.envs.sandbox import SandboxPool
     from spade_mega.evaluation.runner import Evaluator, selected
     from spade_mega.inference import build_engine
+    from spade_mega.inference.server import attached_urls
     from spade_mega.tokenizer import check_folder_tokenizer, load_tokenizer
 
-    overrides = list(args.overrides) + ([f"inference.hf_weights={args.hf_weights}"] if args.hf_weights else [])
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, list(args.overrides))
     if not cfg.eval.suites:
         raise SpadeError(f"{args.config}: no eval.suites to score; add suites under eval: (docs/evaluation.md)")
     suites = selected(cfg, args.suite)  # before minutes of loading weights
-    if args.checkpoint is None and cfg.inference.hf_weights is None:
+    # the folder scored (without --checkpoint): --hf-weights, else the config's inference.hf_weights
+    folder = args.hf_weights or (cfg.inference.hf_weights if args.checkpoint is None else None)
+    if args.checkpoint is None and folder is None:
         raise SpadeError("nothing to evaluate: give --checkpoint (a run's Megatron checkpoint) or --hf-weights "
                          "(a Hugging Face folder); without either the engine would score random weights")
+    # servers someone else started serve whatever they last loaded (after a run: its trained weights): the folder
+    # is loaded into them. Their engine keeps inference.hf_weights, the folder they were started on, to check it.
+    attached = cfg.rollout.engine != "hf" and bool(attached_urls(cfg))
+    if folder is not None and not (attached and cfg.inference.hf_weights):
+        cfg.inference.hf_weights = folder  # the in-process engine loads it, a server started here starts on it
     if args.checkpoint is None and int(os.environ.get("RANK", "0")) != 0:
         return 0  # an HF folder needs no trainer: under torchrun rank 0 alone builds the engine and scores
     trainer = None
@@ -63,16 +71,20 @@ def _eval(args: argparse.Namespace) -> int:
         step = trainer.load(args.checkpoint, weights_only=True)  # no Adam state: any optimizer kind or layout
         source: dict[str, Any] = {"checkpoint": str(Path(args.checkpoint).absolute()), "step": step}
     else:
-        check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)  # type: ignore[arg-type]
-        source = {"hf_weights": str(Path(cfg.inference.hf_weights).absolute())}  # type: ignore[arg-type]
+        assert folder is not None
+        check_folder_tokenizer(folder, cfg.model.tokenizer)
+        source = {"hf_weights": str(Path(folder).absolute())}
     rank = dist.get_rank() if dist.is_initialized() else 0
     parts: list[Any] = []  # rank 0's engine and sandbox pool, closed at the end
 
     def start() -> Evaluator:
-        """Rank 0's engine, pool and evaluator (which reads the suites: a bad one fails before the weights move)."""
+        """Rank 0's engine, pool and evaluator (which reads the suites: a bad one fails before the weights move).
+        The engine never releases its memory: nothing trains beside it (inference.release_memory is the run's)."""
         tokenizer = load_tokenizer(cfg.model.tokenizer)
-        engine = build_engine(cfg, tokenizer)
+        engine = build_engine(cfg, tokenizer, release_memory=False)
         parts.append(engine)
+        if attached and folder is not None:
+            engine.load_folder(Path(folder).absolute(), version=1)  # type: ignore[attr-defined]
         pool = None
         if any(s.kind == "env" or s.scorer == "code" for _, s in suites):  # these run in sandbox workers
             pool = SandboxPool(cfg.sandbox)
@@ -97,6 +109,8 @@ def _eval(args: argparse.Namespace) -> int:
     finally:
         for part in reversed(parts):
             part.close()
+    scored = f"{source['checkpoint']} (step {source['step']})" if "checkpoint" in source else source["hf_weights"]
+    print(f"scored {scored}, run.seed {cfg.run.seed}")
     print(format_table(results))
     if args.output is not None:
         _write_json(Path(args.output), {"config": str(Path(args.config).absolute()), **source,
@@ -111,17 +125,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval", help="score a checkpoint on the config's held-out suites (eval.suites)",
         description="Score a run's Megatron checkpoint (--checkpoint: a step_<N> folder or a checkpoints root, its "
-                    "newest step) or a Hugging Face folder (--hf-weights) on the held-out suites of CONFIG's "
-                    "eval.suites, with the config's engine; print a table, and write JSON with -o. Seeds derive "
-                    "from run.seed, so the same weights give the same scores. Under torchrun every rank loads "
-                    "its shards of the checkpoint and rank 0 evaluates (with --hf-weights the other ranks exit "
-                    "at once).")
+                    "newest step) or a Hugging Face folder (--hf-weights; without either, the config's "
+                    "inference.hf_weights) on the held-out suites of CONFIG's eval.suites, with the config's engine; "
+                    "print a table, and write JSON with -o. Seeds derive from run.seed, so the same weights give the "
+                    "same scores. Whatever the engine, the weights named are scored: the in-process engine and a "
+                    "server started here load them; servers it attaches to (inference.server_urls or "
+                    "$SPADE_ENGINE_URLS) are made to load them first, a checkpoint through the bridge as training "
+                    "syncs, an --hf-weights folder read by each server itself at its absolute path (a server on "
+                    "another node needs it there: a shared file system); they serve them afterwards, so never "
+                    "point it at the servers of a job still running. The engine never releases its memory "
+                    "(inference.release_memory is for training). Under torchrun every rank loads its shards of the "
+                    "checkpoint and rank 0 evaluates (with --hf-weights the other ranks exit at once).")
     parser.add_argument("config", metavar="CONFIG", help="YAML config (the run's: model, engine, eval.suites)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, values parsed as YAML: run.seed=7 'eval.suites=[{name: a}]'")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", metavar="DIR", help="a run's Megatron checkpoint (step folder or root)")
-    weights.add_argument("--hf-weights", metavar="DIR", help="a Hugging Face folder (config.json, *.safetensors)")
+    weights.add_argument("--hf-weights", metavar="DIR",
+                         help="a Hugging Face folder (config.json, *.safetensors); attached servers load it from "
+                              "their own file system, at its absolute path")
     parser.add_argument("--suite", action="append", metavar="NAME",
                         help="score only this suite (repeat for several; default: all of eval.suites)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the metrics and per-item answers as JSON")

@@ -5,7 +5,8 @@ are imported only when asked for."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 
@@ -34,8 +35,12 @@ def releases_memory(cfg: SpadeConfig) -> bool:
             and torch.cuda.is_available())
 
 
-def build_engine(cfg: SpadeConfig, tokenizer: Any) -> Engine:
-    """The engine of ``cfg.rollout.engine``: its module's ``from_config(cfg, tokenizer)``."""
+def build_engine(cfg: SpadeConfig, tokenizer: Any, *, release_memory: Optional[bool] = None) -> Engine:
+    """The engine of ``cfg.rollout.engine``: its module's ``from_config(cfg, tokenizer)``. ``release_memory``: None
+    is the run's ``inference.release_memory``; an engine that never shares its GPUs with a training step (``spade-mega
+    eval``'s) passes False, so that it neither releases memory nor asks its servers whether they could."""
+    if release_memory is not None:
+        cfg = replace(cfg, inference=replace(cfg.inference, release_memory=release_memory))
     name = cfg.rollout.engine
     module_name = f"spade_mega.inference.{name}"
     try:

@@ -369,6 +369,11 @@ def _error_args(exc: EngineError, suffix: str) -> tuple:
     return (str(exc) + suffix,)
 
 
+def attached_urls(cfg: Any) -> list[str]:
+    """The servers a run's engine attaches to: ``inference.server_urls``, else $SPADE_ENGINE_URLS (set by the SLURM
+    launcher); none: it starts its own."""
+    return list(cfg.inference.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
+
 
 def _default_sync_root() -> Path:
     shm = Path("/dev/shm")
@@ -414,7 +419,8 @@ class ServerEngine(ABC):
         self.vocab_size = int(config["vocab_size"])
         self.tie_embeddings = bool(config.get("tie_word_embeddings", False))
         self._own_sync_root = weight_sync_dir is None
-        root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir)
+        # absolute: the servers are told the staged folder's path, and one started elsewhere has another cwd
+        root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir).absolute()
         root.mkdir(parents=True, exist_ok=True)
         self._sync_root = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root)) if self._own_sync_root else root
         self._version = 0
@@ -486,7 +492,7 @@ class ServerEngine(ABC):
                       release_memory=releases_memory(cfg), request_retries=inf.request_retries,
                       retry_backoff_s=inf.retry_backoff_s, max_server_restarts=inf.max_server_restarts,
                       restart_window_s=inf.restart_window_s)
-        urls = list(inf.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
+        urls = attached_urls(cfg)
         if common["release_memory"] and not urls and not torch.cuda.is_available():
             raise ConfigError("inference.release_memory", f"is true, but the {cls.name} server this run starts would "
                                                           "run on the CPU (torch sees no GPU here), where it has no "
