@@ -195,7 +195,7 @@ def test_an_attached_server_that_goes_away_is_waited_for_then_named(model_folder
     EngineError names it and what to do."""
     first = in_thread()
     port = first.httpd.server_address[1]
-    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=3,
+    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
                                request_retries=2, retry_backoff_s=0.05)
     try:
         first.httpd.shutdown()
@@ -258,10 +258,19 @@ def test_a_started_server_killed_mid_generate_is_restarted_with_the_current_weig
         kept = engine._served_folder
         assert kept is not None and kept.is_dir()
         first_pid = engine.servers[0].process.pid
-        killer = threading.Timer(0.5, os.kill, (first_pid, signal.SIGKILL))
+
+        def kill_once_serving() -> None:  # 24 requests of 1 s each, 64 at a time: killed while they are served
+            deadline = time.monotonic() + 60
+            while not any(e.startswith(f"{first_pid} generate") for e in _events(events)):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.2)
+            os.kill(first_pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_serving)
         killer.start()
         with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
-            out = engine.generate(_requests(24))  # 24 requests of 1 s each, 64 at a time: in flight at 0.5 s
+            out = engine.generate(_requests(24))
         killer.join()
         in_flight = [e for e in _events(events) if e.startswith(f"{first_pid} generate")]
         assert [g.output_ids for g in out] == [((10 + i + 1 + 7) % 512,) for i in range(24)]
