@@ -460,6 +460,8 @@ def test_the_loop_releases_before_any_rank_steps_and_resumes_around_the_weight_s
     rollouts = [r for r in records if "time/rollout_s" in r]  # evaluation's record of rollout 2 comes on its own
     assert [r["step"] for r in rollouts] == [1, 2]
     assert all(r["time/engine_release_s"] >= 0 and r["time/engine_resume_s"] >= 0 for r in rollouts)
+    # the engine's fault tolerance counts (docs/inference_servers.md) reach every rollout's record: nothing failed
+    assert all(r["inference/request_retries"] == 0 and r["inference/server_restarts"] == 0 for r in rollouts)
 
 
 @pytest.mark.slow
