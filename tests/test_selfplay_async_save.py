@@ -83,22 +83,25 @@ class _Failed(Exception):
 
 
 @pytest.mark.slow
-def test_a_run_failing_while_its_save_is_written_leaves_it_incomplete_and_names_it(
+def test_a_run_failing_while_its_save_is_written_leaves_it_incomplete_and_the_previous_one_newest(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     train = SelfPlay._train
 
-    def fails_at_rollout_2(self: SelfPlay, trainer, samples, r):  # type: ignore[no-untyped-def]
-        if r == 2:
-            raise _Failed("rollout 2 failed")
+    def fails_at_rollout_3(self: SelfPlay, trainer, samples, r):  # type: ignore[no-untyped-def]
+        if r == 3:
+            raise _Failed("rollout 3 failed")
         return train(self, trainer, samples, r)
 
     cfg = _config(tmp_path, "failed", "selfplay.async_save=true", "selfplay.save_interval=1")
     with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="spade_mega.megatron"):
-        patch.setattr(SelfPlay, "_train", fails_at_rollout_2)
+        patch.setattr(SelfPlay, "_train", fails_at_rollout_3)
         with pytest.raises(_Failed):
             SelfPlay(cfg).run()
-    store = CheckpointStore(tmp_path / "failed")
-    assert store.latest() is None  # rollout 1's save, being written, was not completed
-    partial = list(store.root.glob(".step_00000001.partial-*"))
+    run_dir = tmp_path / "failed"
+    # rollout 2's save waited for rollout 1's (completed: the newest), then was being written when rollout 3 failed
+    assert [r for r, record in _records(run_dir).items() if "time/checkpoint_write_s" in record] == [2]
+    store = CheckpointStore(run_dir)
+    assert store.latest() == store.root / "step_00000001" and store.read_state(store.latest()).rollout == 1
+    partial = list(store.root.glob(".step_00000002.partial-*"))
     assert len(partial) == 1 and not (partial[0] / MANIFEST).exists()
-    assert any(f"{store.root / 'step_00000001'}: not completed" in r.getMessage() for r in caplog.records)
+    assert any(f"{store.root / 'step_00000002'}: not completed" in r.getMessage() for r in caplog.records)

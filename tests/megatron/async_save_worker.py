@@ -4,8 +4,8 @@ nothing is asserted here.
 
   equal       step 1, then the same state saved in the foreground (sync/) and in the background (async/); step 2 runs
               while the background write is pending, then it completes. Each checkpoint is loaded back: its weights,
-              then one more step and the logits after it, per rank
-              With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
+              then one more step and the logits after it, per rank. Then two background saves in a row (chain/),
+              a step between them. With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
               exceeds (a full disk, for real): the error each rank gets when completing it, then one more step
   killpending with no checkpoint under --out/ckpt: step 1 saved in the foreground, step 2 saved in the background,
               then "PENDING" and a wait that the test ends with SIGKILL; with one: load the newest, save, exit
@@ -52,6 +52,13 @@ def scenario_equal(args) -> None:
         result[f"{tag}_weights_as_saved"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
         result[f"{tag}_step"] = trainer.train_step(make_batch(3)).metrics
         torch.save(torch.cat(trainer.logits(make_batch(4))), args.out / f"{tag}_logits_rank{rank}.pt")
+    # a save while another is being written completes that one first
+    trainer.save(str(args.out / "chain"), background=True)
+    trainer.train_step(make_batch(5))
+    trainer.save(str(args.out / "chain"), background=True)
+    result["chain_first_complete_before_finish"] = sorted(p.name for p in (args.out / "chain").iterdir()
+                                                          if is_complete(p))
+    trainer.finish_save(wait=True)
     (args.out / f"equal_rank{rank}.json").write_text(json.dumps(result))
     if args.fail_rank is not None:
         fail(trainer, args)

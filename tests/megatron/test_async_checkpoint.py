@@ -41,6 +41,9 @@ def test_a_background_save_holds_the_state_of_its_call_and_resumes_as_a_foregrou
         assert result["sync_step"]["grad_norm"] == result["async_step"]["grad_norm"]
         assert torch.equal(torch.load(two_ranks / f"sync_logits_rank{rank}.pt"),
                            torch.load(two_ranks / f"async_logits_rank{rank}.pt"))
+        # the second save completed the first before it began
+        assert result["chain_first_complete_before_finish"] == ["step_00000002"]
+    assert sorted(p.name for p in (two_ranks / "chain").iterdir()) == ["step_00000002", "step_00000003"]
     assert sorted(p.name for p in (two_ranks / "async").iterdir()) == ["step_00000001"]
     assert not list((two_ranks / "async" / "step_00000001").glob(".write_results*"))
     assert read_manifest(two_ranks / "async" / "step_00000001")["step"] == 1
@@ -52,7 +55,7 @@ def test_a_background_write_that_fails_on_one_rank_is_an_error_on_every_rank(two
     assert errors[0] == errors[1]  # rank 1 names rank 0's failure too
     assert not errors[0]["pending"]
     message = errors[0]["error"]
-    assert message.startswith(f"{two_ranks / 'ckpt' / 'step_00000002'}: the background write of this checkpoint "
+    assert message.startswith(f"{two_ranks / 'ckpt' / 'step_00000003'}: the background write of this checkpoint "
                               "failed (rank 0: ") and "OSError" in message and "previous checkpoint stays" in message
     assert find_latest(two_ranks / "ckpt") is None
 
