@@ -85,6 +85,9 @@ def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Pat
     finally:
         actor.close()
     assert metrics["designer/valid_rate"] == 1.0 and metrics["agent/failed_episodes"] == 2
+    # nothing to average: absent (not 0) from the record, as README says
+    assert not {"agent/return", "agent/win_rate", "designer/regret"} & set(metrics), metrics
+    assert metrics["agent/hint_return"] == 1.0 and metrics["agent/broken_plays"] == 2
     assert environments == []  # it left the set
     assert later["designer/penalised"] == 1 and later["designer/reward"] == cfg.rewards.invalid_program_penalty
     with EnvMemory(memory_path, create=False) as memory:
