@@ -651,7 +651,8 @@ class SelfPlay:
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
-                    self._save(trainer, actor, r, values, final=r == total or stopped)
+                    self._complete_save(trainer, actor, values, wait=True)  # one still being written completes first
+                    self._save(trainer, actor, r, background=cfg.selfplay.async_save and not (r == total or stopped))
                     values["time/checkpoint_s"] = time.perf_counter() - started  # the part training waited for
                 elif cfg.selfplay.async_save:  # a background save written on every rank becomes the newest checkpoint
                     self._complete_save(trainer, actor, values, wait=False)
@@ -752,18 +753,17 @@ class SelfPlay:
         jsonl = self.cfg.logging.jsonl
         return bool(_from_rank0(lambda: not (jsonl and scores_logged(self.run_dir / METRICS_FILE, r)), share=True))
 
-    def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int, values: dict[str, float], *,
-              final: bool) -> None:
+    def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int, *, background: bool = False) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective). After rollouts that
         took no optimizer step (``rl.filter_zero_std_groups`` with every group flat, every play broken) the trainer's
         checkpoint of its step is already on disk and unchanged: only the loop state is written, atomically. Saved
         again, a job killed during that save left the new loop state beside the old checkpoint, and the resumed run
         went on after this rollout, whose metrics record (logged after the save) was never written.
 
-        With ``selfplay.async_save`` a periodic checkpoint's files are written in the background (the run's last and a
-        stop's are waited for): a save still being written completes first. A loop state counts only beside its
-        complete checkpoint (state.py), so the one written now waits, ignored, until its checkpoint completes."""
-        self._complete_save(trainer, actor, values, wait=True)
+        ``background`` (``selfplay.async_save``, not for the run's last save nor a stop's): the checkpoint's files are
+        written in the background; no other save may be pending (:meth:`_complete_save` first, which prunes the loop
+        states, so it must not run after this one's is written). A loop state counts only beside its complete
+        checkpoint (state.py), so the one written now waits, ignored, until its checkpoint completes."""
 
         def loop_state() -> None:
             assert actor is not None  # rank 0's
@@ -773,7 +773,6 @@ class SelfPlay:
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
         _from_rank0(loop_state, share=False)
-        background = self.cfg.selfplay.async_save and not final
         if trainer.step != self.on_disk:  # every rank took the same steps, so all agree
             trainer.save(str(self.store.root), keep=self.cfg.selfplay.keep_checkpoints, background=background)
             self.on_disk = trainer.step
