@@ -307,6 +307,9 @@ def test_a_server_that_dies_at_every_start_stops_the_run_after_the_restart_bound
         assert f"vLLM server at {engine.servers[0].url} is down" in message
         assert "restarted 2 times within 3600 s, the most inference.max_server_restarts (2) allows" in message
         assert "CUDA error: out of memory (emulated)" in message  # the log's tail
+        with pytest.raises(EngineError) as again:  # a restart's own error: it started once, no missing package
+            engine.servers[0].restart("/health", 10, "once more")
+        assert "exited with status 1 while starting" in str(again.value) and "pip install" not in str(again.value)
         assert engine.recoveries["server_restarts"] == 2
         assert [e.split()[1] for e in _events(events)].count("start") == 1
     finally:

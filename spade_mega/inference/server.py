@@ -239,10 +239,11 @@ class Server:
         start = time.monotonic()
         while True:
             if self.process is not None and self.process.poll() is not None:
+                hint = "" if self.incarnation else (  # a restarted one started before: it died of something else
+                    f"; if its Python lacks {self.name}, install it (pip install 'spade-mega[{self.name.lower()}]') "
+                    "or set inference.server_python")
                 raise EngineError(f"the {self.name} server ({self.command}) exited with status "
-                                  f"{self.process.returncode} while starting; if its Python lacks {self.name}, install "
-                                  f"it (pip install 'spade-mega[{self.name.lower()}]') or set "
-                                  f"inference.server_python{self.log_tail()}")
+                                  f"{self.process.returncode} while starting{hint}{self.log_tail()}")
             try:
                 self.request("GET", health_path, timeout_s=5.0, json_reply=False)  # any 200 is healthy
                 log.info("%s server at %s healthy after %.1f s", self.name, self.url, time.monotonic() - start)
