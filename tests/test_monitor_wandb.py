@@ -563,6 +563,18 @@ def test_a_wandb_older_than_the_oldest_supported_is_refused_naming_the_version()
             check_wandb_version(version)
 
 
+def test_a_wandb_that_breaks_on_import_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed wandb whose import raises something other than ImportError (a protobuf it does not support raises
+    TypeError, say) stops the run naming wandb and the error, not with a traceback from inside wandb."""
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "__init__.py").write_text('raise TypeError("Descriptors cannot be created directly.")\n')
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WandbError, match=r"importing wandb failed \(TypeError: Descriptors cannot be created "
+                                         r"directly\.\).*logging\.wandb\.enabled=false"):
+        require_wandb(WandbConfig(enabled=True, mode="offline"))
+
+
 def test_a_disabled_wandb_needs_no_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -64,6 +64,10 @@ def import_wandb() -> ModuleType:
     except ImportError as exc:
         raise WandbError(f"logging.wandb.enabled is true but wandb cannot be imported ({exc}): {WANDB_EXTRA}, or "
                          "set logging.wandb.enabled=false") from None
+    except Exception as exc:  # installed but broken: a broken install, a dependency at a version it cannot use
+        raise WandbError(f"logging.wandb.enabled is true but importing wandb failed ({_said(exc)}): a broken install "
+                         f"or a dependency wandb cannot use; reinstall it ({WANDB_EXTRA}), or set "
+                         "logging.wandb.enabled=false") from exc
     check_wandb_version(getattr(wandb, "__version__", "0"))
     return wandb
 
