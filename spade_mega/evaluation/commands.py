@@ -83,8 +83,10 @@ def _eval(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         engine = build_engine(cfg, tokenizer, release_memory=False)
         parts.append(engine)
-        if attached and folder is not None:
-            engine.load_folder(Path(folder).absolute(), version=1)  # type: ignore[attr-defined]
+        if attached:  # a colocated run killed while it stepped left them asleep: they would neither load nor serve
+            engine._wake_left_asleep()  # type: ignore[attr-defined]
+            if folder is not None:
+                engine.load_folder(Path(folder).absolute(), version=1)  # type: ignore[attr-defined]
         pool = None
         if any(s.kind == "env" or s.scorer == "code" for _, s in suites):  # these run in sandbox workers
             pool = SandboxPool(cfg.sandbox)
