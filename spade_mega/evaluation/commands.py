@@ -130,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "newest step) or a Hugging Face folder (--hf-weights; without either, the config's "
                     "inference.hf_weights) on the held-out suites of CONFIG's eval.suites, with the config's engine; "
                     "print a table, and write JSON with -o. Seeds derive from run.seed, so the same weights give the "
-                    "same scores. Whatever the engine, the weights named are scored: the in-process engine and a "
+                    "same scores on the same engine. Whatever the engine, the weights named are scored: the in-process engine and a "
                     "server started here load them; servers it attaches to (inference.server_urls or "
                     "$SPADE_ENGINE_URLS) are made to load them first, a checkpoint through the bridge as training "
                     "syncs, an --hf-weights folder read by each server itself at its absolute path (a server on "
