@@ -93,7 +93,11 @@ class Emulator:
             weights = {}
             for file in sorted(folder.glob("*.safetensors")):
                 weights.update(load_file(str(file)))
-            self.marker = round(float(weights["lm_head.weight"].flatten()[0]) * 100)
+            marker = round(float(weights["lm_head.weight"].flatten()[0]) * 100)
+            if marker == 66:  # weights this server dies of while loading them
+                self.record(f"dies loading {marker}")
+                os._exit(1)
+            self.marker = marker
             self.record(f"reload {folder} {self.marker}")
             return 200, {"results": [None]}
         if path == "/reset_prefix_cache":
@@ -291,6 +295,40 @@ def test_a_started_server_killed_mid_generate_is_restarted_with_the_current_weig
     finally:
         engine.close()
     assert engine._served_folder is None and not server.alive()
+
+
+def _marked(weights: dict[str, torch.Tensor], marker: int) -> dict[str, torch.Tensor]:
+    """``weights`` whose lm_head.weight starts with marker / 100 (what the emulator serves them as)."""
+    marked = {name: t.clone() for name, t in weights.items()}
+    marked["lm_head.weight"].view(-1)[0] = marker / 100
+    return marked
+
+
+def test_a_reload_is_redone_on_a_server_down_before_it_not_on_one_it_killed(model_folder, tmp_path):
+    """A weight update that finds the server dead (refused) restarts it with the current version and then loads the
+    new one; an update the server dies of while loading (66 here) is not redone (it would kill it again): the engine
+    refuses to generate until a complete update, and that next update restarts the server."""
+    engine, events, _ = _launch(model_folder, tmp_path)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    try:
+        engine.update_weights([_marked(weights, 7)], version=1)
+        os.kill(engine.servers[0].process.pid, signal.SIGKILL)  # it dies between two calls (the trainer steps)
+        engine.servers[0].process.wait()
+        engine.update_weights([_marked(weights, 8)], version=2)
+        pid = engine.servers[0].process.pid
+        assert [" ".join(e.split()[1::2]) for e in _events(events) if e.startswith(f"{pid} ")] == \
+            ["start", "reload 7", "reload 8"]  # restarted on version 1, then loaded version 2
+        assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 8,)
+        with pytest.raises(EngineError, match="reloading weights version 3 failed"):
+            engine.update_weights([_marked(weights, 66)], version=3)
+        assert engine.recoveries["server_restarts"] == 1 and _events(events)[-1] == f"{pid} dies loading 66"
+        with pytest.raises(EngineError, match="a complete update_weights must succeed before it generates again"):
+            engine.generate(_requests(1))
+        engine.update_weights([_marked(weights, 9)], version=4)
+        assert engine.recoveries["server_restarts"] == 2 and engine.servers[0].process.pid != pid
+        assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 9,)
+    finally:
+        engine.close()
 
 
 def test_a_server_that_dies_at_every_start_stops_the_run_after_the_restart_bound(model_folder, tmp_path):
