@@ -82,9 +82,24 @@ class Emulator:
         with self.lock, open(self.events, "a") as handle:
             handle.write(f"{os.getpid()} {event}\n")
 
-    def handle(self, path, body):
+    def handle(self, target, body):
+        path, _, query = target.partition("?")
         if path == "/health":
             return 200, None
+        if path == "/server_info":  # a GPU server started with --enable-sleep-mode
+            return 200, {"vllm_config": {"model_config": {"enable_sleep_mode": True},
+                                         "device_config": {"device": "cuda"}}}
+        if path == "/is_sleeping":
+            return 200, {"is_sleeping": bool(getattr(self, "asleep", ()))}
+        if path == "/sleep":
+            self.asleep = {"weights", "kv_cache"}
+            self.record("sleep")
+            return 200, {"status": "sleeping", "level": 2}
+        if path == "/wake_up":
+            tag = query.split("=", 1)[1]
+            self.asleep = getattr(self, "asleep", set()) - {tag}
+            self.record(f"wake {tag}")
+            return 200, {"status": "sleeping" if self.asleep else "awake"}
         if path == "/v1/models":
             return 200, {"data": [{"id": "served"}]}
         if path == "/collective_rpc":
@@ -327,6 +342,38 @@ def test_a_reload_is_redone_on_a_server_down_before_it_not_on_one_it_killed(mode
         engine.update_weights([_marked(weights, 9)], version=4)
         assert engine.recoveries["server_restarts"] == 2 and engine.servers[0].process.pid != pid
         assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 9,)
+    finally:
+        engine.close()
+
+
+def test_a_server_restarted_while_released_comes_up_awake_and_is_released_again_if_the_release_is_redone(
+        model_folder, tmp_path):
+    """inference.release_memory: a server that died while released (the trainer stepping) is restarted at the take-
+    back, awake and holding its memory: the engine takes back nothing from it (SGLang fails on a tag it holds) and
+    the weight sync reloads it as usual. A release that finds its server dead restarts it and releases it again."""
+    engine, events, _ = _launch(model_folder, tmp_path, release_memory=True)
+    weights = load_file(str(model_folder / "model.safetensors"))
+
+    def calls(pid: int) -> list[str]:
+        return [e.split(" ", 1)[1].split(" /")[0] for e in _events(events) if e.startswith(f"{pid} ")]
+
+    try:
+        engine.release_memory()
+        os.kill(engine.servers[0].process.pid, signal.SIGKILL)
+        engine.servers[0].process.wait()
+        engine.resume_memory("weights")
+        engine.update_weights([_marked(weights, 5)], version=1)
+        engine.resume_memory("kv_cache")
+        pid = engine.servers[0].process.pid
+        assert calls(pid) == ["start", "reload"]  # no wake_up: it came up awake
+        assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 5,)
+        os.kill(pid, signal.SIGKILL)
+        engine.servers[0].process.wait()
+        engine.release_memory()
+        again = engine.servers[0].process.pid
+        assert calls(again) == ["start", "reload", "sleep"]  # version 1, then released as asked
+        assert engine._released[engine.servers[0].url] == {"weights", "kv_cache"}
+        assert engine.recoveries["server_restarts"] == 2
     finally:
         engine.close()
 
