@@ -9,8 +9,6 @@ of a generate call in tests/test_inference_vllm.py.
 
 from __future__ import annotations
 
-import http.server
-import json
 import logging
 import os
 import signal
