@@ -22,6 +22,8 @@ import pickle
 import queue
 import re
 import shutil
+import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -437,6 +439,29 @@ class PendingSave:
         self._calls.async_calls.clear()
 
 
+def _dying_with_trainer(write: Callable[..., None]) -> Callable[..., None]:
+    """``write`` as the body of a writer that the kernel kills when its trainer process dies, however it dies. The
+    writer is a fork: it holds the trainer's descriptors, the run directory's lock among them (an flock is released
+    only once every copy is closed), and a trainer killed alone (kill -9, the OOM killer) can no longer complete the
+    checkpoint; an orphaned writer only kept a restarted run out of its run directory until the write ended, for ever
+    if the write stalled. Linux only; the signal goes when the *thread* that saved exits, so save from a lasting one
+    (the loop saves from the main thread)."""
+    if not sys.platform.startswith("linux"):
+        return write
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: the writer only calls it
+    trainer, sigkill = os.getpid(), int(signal.SIGKILL)
+
+    def writer(*args: Any, **kwargs: Any) -> None:
+        prctl(1, sigkill)  # PR_SET_PDEATHSIG
+        if os.getppid() != trainer:  # the trainer died before the call
+            os._exit(1)
+        write(*args, **kwargs)
+
+    return writer
+
+
 def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
                      tokenizer_assumed_for: Optional[str] = None) -> PendingSave:
     """Start saving the trainer at its current step as ``root/step_<N>`` and return once the state is handed to the
@@ -452,6 +477,8 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
     with _writing(root):
         # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
         request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy="mcore")
+        if request.async_fn is not None:
+            request = request._replace(async_fn=_dying_with_trainer(request.async_fn))
         calls.schedule_async_request(request)
     return PendingSave(step_dir(root, trainer.step), calls, results if request.async_fn is not None else None,
                        finish)

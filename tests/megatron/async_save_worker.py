@@ -9,6 +9,9 @@ nothing is asserted here.
               exceeds (a full disk, for real): the error each rank gets when completing it, then one more step
   killpending with no checkpoint under --out/ckpt: step 1 saved in the foreground, step 2 saved in the background,
               then "PENDING" and a wait that the test ends with SIGKILL; with one: load the newest, save, exit
+  orphan      the run directory --out/run locked as the loop's rank 0 locks it, step 1 saved in the background by a
+              writer on a file system that stalls (its write sleeps first), then "PENDING <writer pid>" and a wait
+              that the test ends by SIGKILLing this process alone
 """
 
 from __future__ import annotations
@@ -103,9 +106,33 @@ def scenario_killpending(args) -> None:
     time.sleep(600)
 
 
+def scenario_orphan(args) -> None:
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from spade_mega.megatron import Trainer
+    from spade_mega.selfplay.lock import RunDirLock
+
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def stalled(*write_args, **write_kwargs):
+        time.sleep(600)
+        write(*write_args, **write_kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
+    lock = RunDirLock(args.out / "run")
+    trainer = Trainer(config(args.overrides))
+    trainer.train_step(make_batch(1))
+    trainer.save(str(args.out / "ckpt"), background=True)
+    print("PENDING", *[child.pid for child in multiprocessing.active_children()], flush=True)
+    time.sleep(600)
+    lock.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["equal", "killpending"])
+    parser.add_argument("scenario", choices=["equal", "killpending", "orphan"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--fail-rank", type=int)
     parser.add_argument("overrides", nargs="*")

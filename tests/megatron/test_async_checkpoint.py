@@ -5,6 +5,7 @@ that fails on one rank is an error on every rank. Real tiny Megatron models on g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from megatron_launch import read_json, run_worker, worker_command, worker_env
 
 from spade_mega.megatron import find_latest
 from spade_mega.megatron.checkpoint import is_complete, read_manifest
+from spade_mega.selfplay.lock import RunDirInUseError, RunDirLock
 
 WORKER = Path(__file__).with_name("async_save_worker.py")
 
@@ -85,3 +87,32 @@ def test_a_job_killed_before_its_background_save_completed_resumes_from_the_prev
     before, after = torch.load(tmp_path / "step1_weights.pt"), torch.load(tmp_path / "resumed_weights.pt")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # its save removed the partial folder
+
+
+def test_a_background_writer_dies_with_its_trainer_and_frees_the_run_directory(tmp_path: Path) -> None:
+    """The writer is a fork of the trainer: it holds the trainer's descriptors, the run directory's lock among them.
+    A trainer killed alone (kill -9, the OOM killer) cannot complete the checkpoint, so the writer goes with it, and a
+    restarted run takes the run directory at once, not when (if ever) a stalled write ends."""
+    proc = subprocess.Popen(worker_command(1, "orphan", tmp_path, worker=WORKER), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=worker_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        pending = next(line for line in proc.stdout if line.startswith("PENDING")).split()
+        assert len(pending) == 2  # one writer
+        with pytest.raises(RunDirInUseError):
+            RunDirLock(tmp_path / "run")
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer alone: its writer stalls in a write for 600 s
+        proc.wait()
+        deadline, lock = time.monotonic() + 30, None
+        while lock is None:
+            try:
+                lock = RunDirLock(tmp_path / "run")
+            except RunDirInUseError:
+                assert time.monotonic() < deadline, "the dead trainer's writer still holds the run directory's lock"
+                time.sleep(0.1)
+        lock.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the writer too, had it outlived the trainer
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert find_latest(tmp_path / "ckpt") is None
