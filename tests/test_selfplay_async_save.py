@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,27 @@ def test_a_run_failing_while_its_save_is_written_leaves_it_incomplete_and_the_pr
     partial = list(store.root.glob(".step_00000002.partial-*"))
     assert len(partial) == 1 and not (partial[0] / MANIFEST).exists()
     assert any(f"{store.root / 'step_00000002'}: not completed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigusr1_while_its_save_is_written_completes_it_and_saves_the_stop_in_the_foreground(
+        tmp_path: Path) -> None:
+    train = SelfPlay._train
+
+    def stop_asked_in_rollout_3(self: SelfPlay, trainer, samples, r):  # type: ignore[no-untyped-def]
+        if r == 3:  # SLURM's time-limit warning, while rollout 2's save is written in the background
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return train(self, trainer, samples, r)
+
+    cfg = _config(tmp_path, "stopped", "selfplay.async_save=true", "selfplay.save_interval=1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SelfPlay, "_train", stop_asked_in_rollout_3)
+        summary = SelfPlay(cfg).run()
+    assert summary.stopped and summary.rollouts == 3
+    run_dir = tmp_path / "stopped"
+    # each save waited for the one before; the stop's for rollout 2's, then its own was written before the run ended
+    assert [r for r, record in _records(run_dir).items() if "time/checkpoint_write_s" in record] == [2, 3]
+    store = CheckpointStore(run_dir)
+    assert store.read_state(store.latest()).rollout == 3
+    assert sorted(p.name for p in store.root.iterdir()) == ["selfplay", store.latest().name]  # no partial folder
+    assert sorted(p.name for p in store.states.iterdir()) == [f"{store.latest().name}.json"]
