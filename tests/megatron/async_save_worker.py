@@ -5,7 +5,8 @@ nothing is asserted here.
   equal       step 1, then the same state saved in the foreground (sync/) and in the background (async/); step 2 runs
               while the background write is pending, then it completes. Each checkpoint is loaded back: its weights,
               then one more step and the logits after it, per rank. Then two background saves in a row (chain/),
-              a step between them. With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
+              a step between them; then one whose writer stalls on rank 1, polled with finish_save(wait=False)
+              until complete. With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
               exceeds (a full disk, for real): the error each rank gets when completing it, then one more step
   killpending with no checkpoint under --out/ckpt: step 1 saved in the foreground, step 2 saved in the background,
               then "PENDING" and a wait that the test ends with SIGKILL; with one: load the newest, save, exit
@@ -62,9 +63,35 @@ def scenario_equal(args) -> None:
     result["chain_first_complete_before_finish"] = sorted(p.name for p in (args.out / "chain").iterdir()
                                                           if is_complete(p))
     trainer.finish_save(wait=True)
+    result["polls"] = poll(trainer, args)
     (args.out / f"equal_rank{rank}.json").write_text(json.dumps(result))
     if args.fail_rank is not None:
         fail(trainer, args)
+
+
+def poll(trainer, args) -> list:
+    """A background save whose writer stalls for 3 s on rank 1 (a slow disk there), completed by the loop's
+    non-blocking check: rank 0 checks once its own files are written, rank 1 at once. What each check returned, per
+    rank (every rank must decide the same at each: a rank completing alone would wait in a collective for ever)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    rank = dist.get_rank()
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+    if rank == 1:
+        def stalled(*write_args, **write_kwargs):
+            time.sleep(3)
+            write(*write_args, **write_kwargs)
+
+        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
+    trainer.save(str(args.out / "poll"), background=True)
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write)
+    while rank == 0 and not list((args.out / "poll").glob(f".step_*.partial-*/.write_results.rank{rank}")):
+        time.sleep(0.05)
+    polls = []
+    while not polls or polls[-1] is None:
+        polls.append(trainer.finish_save(wait=False))
+        time.sleep(0.2)
+    return polls
 
 
 def fail(trainer, args) -> None:

@@ -45,6 +45,12 @@ def test_a_background_save_holds_the_state_of_its_call_and_resumes_as_a_foregrou
                            torch.load(two_ranks / f"async_logits_rank{rank}.pt"))
         # the second save completed the first before it began
         assert result["chain_first_complete_before_finish"] == ["step_00000002"]
+    # the non-blocking check: the same answer on both ranks at every check, "still writing" while rank 1's writer
+    # stalled though rank 0's had written its files, then complete (the write's seconds) on both
+    polls = [read_json(two_ranks / f"equal_rank{rank}.json")["polls"] for rank in (0, 1)]
+    assert [p is None for p in polls[0]] == [p is None for p in polls[1]]
+    assert len(polls[0]) >= 2 and polls[0][0] is None and polls[0][-1] is not None and polls[0][-1] == polls[1][-1]
+    assert is_complete(two_ranks / "poll" / "step_00000003")
     assert sorted(p.name for p in (two_ranks / "chain").iterdir()) == ["step_00000002", "step_00000003"]
     assert sorted(p.name for p in (two_ranks / "async").iterdir()) == ["step_00000001"]
     assert not list((two_ranks / "async" / "step_00000001").glob(".write_results*"))
