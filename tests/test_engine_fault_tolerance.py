@@ -430,3 +430,23 @@ def test_fault_tolerance_settings_are_checked_and_reach_the_engine(model_folder,
         assert not engine._restartable  # attached: nothing to restart, no weights kept for it
     finally:
         engine.close()
+
+
+def test_a_folder_load_waits_for_an_attached_server_that_is_down(model_folder, in_thread):
+    """`spade-mega eval --hf-weights DIR` on a job's server that its job is restarting (down for a second) loads DIR
+    once it is back, as a weight update does (ServerEngine.load_folder), instead of failing at once."""
+    first = in_thread()
+    port = first.httpd.server_address[1]
+    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               request_retries=2, retry_backoff_s=0.05)
+    try:
+        first.httpd.shutdown()
+        first.httpd.server_close()
+        back = threading.Timer(1.0, lambda: in_thread(port=port))
+        back.start()
+        engine.load_folder(model_folder, version=1)
+        back.join()
+        assert any(e.split()[1:3] == ["reload", str(model_folder)] for e in _events(first.events))
+        assert engine.weight_version == 1 and engine.recoveries == {"request_retries": 1, "server_restarts": 0}
+    finally:
+        engine.close()

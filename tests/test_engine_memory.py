@@ -74,6 +74,7 @@ class MemoryServer:
         self.events: list[str] = []
         self.requests: list[tuple[str, Any]] = []
         self.released: set[str] = set()
+        self.loaded: list[str] = []  # the folder of every reload, as the server was told it
         self.lock = threading.Lock()
         server = self
 
@@ -159,6 +160,7 @@ class MemoryServer:
         if path in ("/update_weights_from_disk", "/collective_rpc"):
             if "weights" in self.released:  # loading into freed memory
                 return 500, {"error": {"message": "weights are released: resume them before loading"}}
+            self.loaded.append(body["model_path"] if sglang else body["kwargs"]["weights_path"])
             return self._event("reload", lambda: None, {"success": True, "message": "ok"} if sglang else
                                {"results": [None]})
         if path == "/reset_prefix_cache":
@@ -352,6 +354,29 @@ def test_a_vllm_server_left_asleep_by_a_killed_run_is_woken_by_the_next(model_fo
         engine.generate(_greedy())
     finally:
         engine.close()
+
+
+def test_eval_wakes_every_attached_server_left_asleep_and_each_loads_the_folder_named(model_folder, make_servers,
+                                                                                      tmp_path, monkeypatch) -> None:
+    """`spade-mega eval --hf-weights DIR` on a job's two servers, both left asleep by a colocated run killed during
+    its step, with the run's config (release_memory true): eval's engine neither asks whether they can release nor
+    releases them; it wakes both, and each loads DIR itself, at its absolute path, before anything is generated."""
+    import shutil
+
+    from spade_mega.cli import main
+
+    fakes = make_servers("vllm", count=2)
+    for fake in fakes:
+        fake.released = {"weights", "kv_cache"}
+    shutil.copytree(model_folder, tmp_path / "scored")
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(TINY), "rollout.engine=vllm", f"inference.server_urls=[{fakes[0].url}, {fakes[1].url}]",
+                 f"inference.hf_weights={model_folder}", "inference.release_memory=true", "logging.progress=false",
+                 f"run.output_dir={tmp_path}", "--hf-weights", "scored", "-o", "result.json"]) == 0
+    for fake in fakes:
+        assert fake.memory_events() == ["resume:weights", "resume:kv_cache", "reload"] and "info" not in fake.events
+        assert fake.loaded == [str(tmp_path / "scored")] and fake.events[-1] == "generate"
+    assert json.loads((tmp_path / "result.json").read_text())["hf_weights"] == str(tmp_path / "scored")
 
 
 def test_the_setting_resolves_per_engine_and_placement(tmp_path) -> None:

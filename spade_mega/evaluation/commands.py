@@ -84,7 +84,7 @@ def _eval(args: argparse.Namespace) -> int:
         engine = build_engine(cfg, tokenizer, release_memory=False)
         parts.append(engine)
         if attached:  # a colocated run killed while it stepped left them asleep: they would neither load nor serve
-            engine._wake_left_asleep()  # type: ignore[attr-defined]
+            engine.wake_left_asleep()  # type: ignore[attr-defined]
             if folder is not None:
                 engine.load_folder(Path(folder).absolute(), version=1)  # type: ignore[attr-defined]
         pool = None

@@ -414,7 +414,7 @@ class ServerEngine(ABC):
         self._broken: Optional[str] = None
         if release_memory:  # before anything else: a server that cannot release fails the run at its start
             self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
-            self._wake_left_asleep()
+            self.wake_left_asleep()
         self._weights = checkpoint_weights(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
@@ -576,11 +576,12 @@ class ServerEngine(ABC):
             raise EngineError(f"{self.name} server at {server.url} cannot release its GPU memory while the trainer "
                               f"steps: {problem}; or set inference.release_memory: false")
 
-    def _wake_left_asleep(self) -> None:
+    def wake_left_asleep(self) -> None:
         """Servers that a run which died between release and resume (killed, no close) left asleep are woken, so
         that the new run's first weight sync (which reloads every weight) finds them able to load and serve. Their
-        release discarded their weights: until that sync the engine refuses to generate (they would answer with
-        whatever the woken memory holds)."""
+        release discarded their weights: until that sync (or :meth:`load_folder`) the engine refuses to generate
+        (they would answer with whatever the woken memory holds). An engine that releases memory does this at start;
+        one that does not (``spade-mega eval``'s) asks its attached servers nothing unless it calls this."""
         for server in self.servers:
             held = self._held_memory(server)
             if held:
@@ -859,8 +860,8 @@ class ServerEngine(ABC):
                               f"({self.model_dir}, the folder the servers were started on): {'; '.join(problems)}")
         with self._lock:
             try:
-                self._in_parallel(self._reload, [(server, folder, version) for server in self.servers],
-                                  len(self.servers))
+                self._in_parallel(self._reload_one, [(server, folder, version) for server in self.servers],
+                                  len(self.servers))  # redone as a weight update is (a job restarting its server)
             except BaseException as exc:
                 self._broken = f"loading {folder} failed ({type(exc).__name__}: {exc})"
                 if not isinstance(exc, EngineError):
