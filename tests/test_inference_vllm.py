@@ -858,6 +858,7 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
     import logging
     import signal
     import threading
+    import urllib.request
 
     generator = torch.Generator().manual_seed(11)
     new = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}
@@ -865,12 +866,22 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
     vllm.update_weights([new], version=version)
     greedy = [request(PROMPTS[i % 3] * (1 + i % 4), max_new_tokens=24, temperature=0.0) for i in range(12)]
     seeded = [request(PROMPTS[i % 3], max_new_tokens=24, temperature=1.0, seed=100 + i) for i in range(12)]
-    started = time.monotonic()
     before = vllm.generate(greedy + seeded)
-    took = time.monotonic() - started
     server, restarts = vllm.servers[0], vllm.recoveries["server_restarts"]
     pid = server.process.pid
-    killer = threading.Timer(took / 2, os.kill, (pid, signal.SIGKILL))
+
+    def kill_while_decoding() -> None:  # once the server says it runs requests (a cold server's first call is slow)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+            if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
+                   for line in metrics.splitlines()):
+                time.sleep(0.2)
+                break
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_while_decoding)
     killer.start()
     with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
         after = vllm.generate(greedy + seeded)
@@ -888,7 +899,6 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
     time.sleep(0.5)  # the restart came from a request thread, gone now: the server must not have gone with it
     assert server.alive() and vllm.generate(greedy[:1])[0].output_ids == before[0].output_ids
-    print(f"first call {took:.1f} s; killed at {took / 2:.1f} s")
 
 
 @pytest.mark.engine
