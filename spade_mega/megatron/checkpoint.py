@@ -292,7 +292,8 @@ class _ResultsFile:
     the checkpoint's partial folder. Megatron's default, a multiprocessing Manager queue, starts a helper by 'spawn',
     which re-imports the main module (see :func:`_write_results_to`); a pipe between the two processes (a
     multiprocessing queue) blocks the writer's exit once the results outgrow the pipe's buffer, so the write would
-    never be seen to end. The file's modification time is when this rank's write ended."""
+    never be seen to end. The file holds, beside the results, when this rank's write ended by the writer's clock (a
+    network file system's modification times are the server's)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -300,17 +301,16 @@ class _ResultsFile:
 
     def put(self, item: Any) -> None:
         try:
-            data = pickle.dumps(item)
+            data = pickle.dumps((time.time(), item))
         except Exception as exc:  # an exception that cannot be pickled still says what failed
-            data = pickle.dumps(RuntimeError(f"{item!r} (not picklable: {exc})"))
+            data = pickle.dumps((time.time(), RuntimeError(f"{item!r} (not picklable: {exc})")))
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_bytes(data)
         os.replace(tmp, self.path)
 
     def get_nowait(self) -> Any:
         try:
-            self.finished_at = self.path.stat().st_mtime
-            item = pickle.loads(self.path.read_bytes())
+            self.finished_at, item = pickle.loads(self.path.read_bytes())
         except FileNotFoundError:
             raise queue.Empty from None
         self.path.unlink()

@@ -122,3 +122,22 @@ def test_a_background_writer_dies_with_its_trainer_and_frees_the_run_directory(t
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert find_latest(tmp_path / "ckpt") is None
+
+
+def test_the_write_duration_is_timed_by_the_writers_clock_not_the_file_systems(tmp_path: Path) -> None:
+    """time/checkpoint_write_s: when the forked writer reported its results, by its own clock. A network file system
+    stamps a file's modification time by the server's clock, which may be far from the trainer's."""
+    import multiprocessing
+
+    from spade_mega.megatron.checkpoint import _ResultsFile
+
+    results = _ResultsFile(tmp_path / ".write_results.rank0")
+    writer = multiprocessing.get_context("fork").Process(target=results.put, args=({0: ["written"]},))
+    began = time.time()
+    writer.start()
+    writer.join()
+    ended = time.time()
+    os.utime(results.path, (began + 3600, began + 3600))  # a file server whose clock is an hour ahead
+    assert results.get_nowait() == {0: ["written"]}
+    assert results.finished_at is not None and began <= results.finished_at <= ended
+    assert not results.path.exists()
