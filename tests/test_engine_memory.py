@@ -379,6 +379,51 @@ def test_eval_wakes_every_attached_server_left_asleep_and_each_loads_the_folder_
     assert json.loads((tmp_path / "result.json").read_text())["hf_weights"] == str(tmp_path / "scored")
 
 
+def test_a_folder_load_checks_the_served_config_and_takes_tied_folders_with_or_without_the_head_copy(
+        model_folder, make_servers, tmp_path) -> None:
+    """load_folder (eval --hf-weights on attached servers, which keep the config.json they started on): a folder of
+    the same shapes whose config computes otherwise (rope_theta, whichever transformers wrote it; an untied head on
+    a tied server, which would ignore it) is refused naming the setting, before any server is asked. With tied
+    embeddings the stored copy of the embedding (lm_head.weight, some checkpoints keep it) is neither required of
+    a folder nor of a weight update (the bridge sends no output layer for a tied model)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def folder(name: str, config: dict[str, Any], *, head: bool = True) -> Path:
+        out = tmp_path / name
+        shutil.copytree(model_folder, out)
+        written = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**written, **config}))
+        if not head:
+            tensors = load_file(str(out / "model.safetensors"))
+            del tensors["lm_head.weight"]
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+
+    (fake,) = make_servers("vllm", count=1)
+    engine = _attach("vllm", [fake], model_folder, release=False)
+    try:
+        with pytest.raises(EngineError, match=r"rope/config.json is not the served model's .*: rope_theta 5000.0 "
+                                              r"\(served: 1000000.0\)"):
+            engine.load_folder(folder("rope", {"rope_theta": 5000.0, "rope_parameters": None}), version=1)
+    finally:
+        engine.close()
+    tied = folder("tied", {"tie_word_embeddings": True})  # it keeps its copy of the embedding
+    engine = _attach("vllm", [fake], tied, release=False)
+    try:
+        engine.load_folder(folder("tied-without-copy", {"tie_word_embeddings": True}, head=False), version=1)
+        weights = load_file(str(tied / "model.safetensors"))
+        del weights["lm_head.weight"]
+        engine.update_weights([weights], version=2)
+        with pytest.raises(EngineError, match=r"untied/config.json .*tie_word_embeddings False \(served: True\)"):
+            engine.load_folder(folder("untied", {}), version=3)
+        assert engine.weight_version == 2
+    finally:
+        engine.close()
+    assert fake.loaded[0] == str(tmp_path / "tied-without-copy") and len(fake.loaded) == 2
+
+
 def test_the_setting_resolves_per_engine_and_placement(tmp_path) -> None:
     cfg = SpadeConfig()
     assert not releases_memory(cfg)  # hf

@@ -340,6 +340,20 @@ def checkpoint_weights(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torc
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+# config.json settings a weight reload cannot change (the servers keep theirs) that change what the weights compute
+_COMPUTATION_KEYS = ("model_type", "hidden_act", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "rope_theta", "rms_norm_eps", "tie_word_embeddings", "norm_topk_prob", "num_experts_per_tok")
+
+
+def _computation_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of ``config`` that it writes (rope_theta at the top, or in rope_parameters from transformers 5 on)."""
+    settings = {key: config[key] for key in _COMPUTATION_KEYS if key in config}
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in settings and isinstance(rope, Mapping) and "rope_theta" in rope:
+        settings["rope_theta"] = rope["rope_theta"]
+    return settings
+
+
 # what a weight-reload folder must not carry over from the served one: weight files and their index (an index
 # naming the original shards would make the loader skip ours)
 _WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -416,9 +430,11 @@ class ServerEngine(ABC):
             self._in_parallel(self._check_release, [(server,) for server in servers], len(servers))
             self.wake_left_asleep()
         self._weights = checkpoint_weights(self.model_dir)
-        config = json.loads((self.model_dir / "config.json").read_text())
+        config = self._config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
         self.tie_embeddings = bool(config.get("tie_word_embeddings", False))
+        if self.tie_embeddings:  # some tied checkpoints store the copy; the served model reads the embedding
+            self._weights.pop("lm_head.weight", None)
         self._own_sync_root = weight_sync_dir is None
         # absolute: the servers are told the staged folder's path, and one started elsewhere has another cwd
         root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir).absolute()
@@ -858,6 +874,18 @@ class ServerEngine(ABC):
                 ("of another shape", sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n]))) if names]
             raise EngineError(f"{self.name} engine: {folder} is not a checkpoint of the served model "
                               f"({self.model_dir}, the folder the servers were started on): {'; '.join(problems)}")
+        # the servers keep the served config.json: a setting that changes the computation without changing a shape
+        # must agree too (a key only one side writes is the other's default: not compared)
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"{self.name} engine: {folder}/config.json cannot be read ({exc})") from None
+        theirs_set, ours_set = _computation_settings(config), _computation_settings(self._config)
+        differ = [f"{key} {value!r} (served: {ours_set[key]!r})" for key, value in theirs_set.items()
+                  if key in ours_set and value != ours_set[key]]
+        if differ:
+            raise EngineError(f"{self.name} engine: {folder}/config.json is not the served model's "
+                              f"({self.model_dir}), whose config the servers keep: {', '.join(differ)}")
         with self._lock:
             try:
                 self._in_parallel(self._reload_one, [(server, folder, version) for server in self.servers],
