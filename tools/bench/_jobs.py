@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
@@ -31,3 +33,31 @@ def launch(script: str, nproc: int, argv: list[str]) -> dict[str, Any]:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"benchmark job failed ({' '.join(command)}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The size of the Qwen3-MoE-shaped model the checkpoint benchmarks build (tiny_cpu.yaml widened)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=8)
+
+
+def write_model_config(folder: Path, args: argparse.Namespace) -> Path:
+    """A run config in ``folder``: tiny_cpu.yaml with the model of :func:`add_model_args`."""
+    root = Path(__file__).resolve().parents[2]
+    config = folder / "run.yaml"
+    config.write_text(json.dumps({
+        "base": str(root / "examples" / "configs" / "tiny_cpu.yaml"),
+        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": 2 * args.hidden,
+                  "num_attention_heads": 8, "num_query_groups": 4, "kv_channels": args.hidden // 8,
+                  "num_experts": args.experts, "moe_ffn_hidden_size": args.hidden}}))
+    return config
+
+
+def run_script(script: str, *args: str) -> str:
+    """The last line ``python -c script ARGS`` printed (one torch thread); a failure stops the benchmark."""
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark step failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip().splitlines()[-1]

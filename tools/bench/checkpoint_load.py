@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from tools.bench._jobs import add_model_args, run_script, write_model_config
 
 LOAD = """import json, resource, sys
 from spade_mega.config.loader import load_config
@@ -36,34 +35,18 @@ print(sum(p.numel() for p in trainer.model[0].parameters()))
 """
 
 
-def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark step failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout.strip().splitlines()[-1]
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench checkpoint_load", description=__doc__)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
+    add_model_args(parser)
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_load_") as tmp:
-        config = Path(tmp) / "run.yaml"
-        config.write_text(json.dumps({
-            "base": str(root / "examples" / "configs" / "tiny_cpu.yaml"),
-            "model": {"num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": 2 * args.hidden,
-                      "num_attention_heads": 8, "num_query_groups": 4, "kv_channels": args.hidden // 8,
-                      "num_experts": args.experts, "moe_ffn_hidden_size": args.hidden}}))
-        params = int(_run(SAVE, str(config), str(Path(tmp) / "ckpt")))
+        config = write_model_config(Path(tmp), args)
+        params = int(run_script(SAVE, str(config), str(Path(tmp) / "ckpt")))
         print(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {params / 1e6:.1f}M "
               f"parameters (float32), checkpoint with Adam state")
         peak = {}
         for mode in ("full", "weights"):
-            result = json.loads(_run(LOAD, str(config), str(Path(tmp) / "ckpt"), mode))
+            result = json.loads(run_script(LOAD, str(config), str(Path(tmp) / "ckpt"), mode))
             peak[mode] = result["peak_rss_mb"]
             print(f"  load {mode:<8} peak RSS {peak[mode]:8.0f} MB")
         print(f"weights-only / full (the baseline: what convert to-hf loaded before): "

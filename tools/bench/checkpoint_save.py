@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from tools.bench._jobs import add_model_args, run_script, write_model_config
 
 SAVES = """import json, sys, time, torch
 from spade_mega.config.loader import load_config
@@ -39,24 +38,11 @@ print(json.dumps(out))
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench checkpoint_save", description=__doc__)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=8)
+    add_model_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_save_") as tmp:
-        config = Path(tmp) / "run.yaml"
-        config.write_text(json.dumps({
-            "base": str(root / "examples" / "configs" / "tiny_cpu.yaml"),
-            "model": {"num_layers": args.layers, "hidden_size": args.hidden, "ffn_hidden_size": 2 * args.hidden,
-                      "num_attention_heads": 8, "num_query_groups": 4, "kv_channels": args.hidden // 8,
-                      "num_experts": args.experts, "moe_ffn_hidden_size": args.hidden}}))
-        proc = subprocess.run([sys.executable, "-c", SAVES, str(config), tmp, str(args.repeats)], capture_output=True,
-                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-        if proc.returncode != 0:
-            raise SystemExit(f"benchmark failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(run_script(SAVES, str(write_model_config(Path(tmp), args)), tmp, str(args.repeats)))
     median = {k: statistics.median(result[k]) for k in ("foreground", "blocking", "write")}
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {result['params'] / 1e6:.1f}M "
           f"parameters (float32), checkpoint with Adam state; median of {args.repeats}")
