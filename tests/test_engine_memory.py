@@ -357,10 +357,12 @@ def test_a_vllm_server_left_asleep_by_a_killed_run_is_woken_by_the_next(model_fo
 
 
 def test_eval_wakes_every_attached_server_left_asleep_and_each_loads_the_folder_named(model_folder, make_servers,
-                                                                                      tmp_path, monkeypatch) -> None:
+                                                                                      tmp_path, monkeypatch,
+                                                                                      capsys) -> None:
     """`spade-mega eval --hf-weights DIR` on a job's two servers, both left asleep by a colocated run killed during
     its step, with the run's config (release_memory true): eval's engine neither asks whether they can release nor
-    releases them; it wakes both, and each loads DIR itself, at its absolute path, before anything is generated."""
+    releases them; it wakes both, and each loads DIR itself, at its absolute path, before anything is generated. It
+    prints what it scored and the seed, which the JSON records too."""
     import shutil
 
     from spade_mega.cli import main
@@ -376,7 +378,9 @@ def test_eval_wakes_every_attached_server_left_asleep_and_each_loads_the_folder_
     for fake in fakes:
         assert fake.memory_events() == ["resume:weights", "resume:kv_cache", "reload"] and "info" not in fake.events
         assert fake.loaded == [str(tmp_path / "scored")] and fake.events[-1] == "generate"
-    assert json.loads((tmp_path / "result.json").read_text())["hf_weights"] == str(tmp_path / "scored")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["hf_weights"], result["seed"]) == (str(tmp_path / "scored"), 1234)
+    assert f"scored {tmp_path / 'scored'}, run.seed 1234\narithmetic (qa)\n" in capsys.readouterr().out
 
 
 def test_a_folder_load_checks_the_served_config_and_takes_tied_folders_with_or_without_the_head_copy(
