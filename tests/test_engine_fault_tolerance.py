@@ -243,6 +243,26 @@ def test_an_attached_server_that_stays_away_fails_naming_it(model_folder, in_thr
         engine.close()
 
 
+def test_requests_in_flight_on_an_attached_server_that_stays_away_wait_for_it_once_not_one_after_another(
+        model_folder, in_thread):
+    """Every request in flight finds the server gone; one waits for it (startup_timeout_s), the others, queued on
+    that wait, fail with it instead of each waiting startup_timeout_s in turn (64 requests x 600 s by default: a
+    job hung for 10 hours). A call made after the give-up waits for the server again."""
+    emulator = in_thread()
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=1.0,
+                               request_retries=2, retry_backoff_s=0.05)
+    try:
+        emulator.httpd.shutdown()
+        emulator.httpd.server_close()
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(EngineError, match="has not answered GET /health for 1 s .*cannot restart it"):
+                engine.generate(_requests(8))
+            assert 1.0 <= time.monotonic() - started < 4.0  # one wait, not 8 in turn
+    finally:
+        engine.close()
+
+
 def _launch(model_folder: Path, tmp_path: Path, delay: float = 0.0, **kwargs: Any) -> tuple[VLLMEngine, Path, Path]:
     """The engine over an emulator process it started itself (as launch does: same Server, same restart path)."""
     script, events, die = tmp_path / "emulator.py", tmp_path / "events", tmp_path / "die"

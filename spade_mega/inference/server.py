@@ -169,6 +169,9 @@ class Server:
         self.incarnation = 0  # restarts so far: a request that failed on an earlier one is simply redone
         self.restart_times: list[float] = []  # time.monotonic() of each restart, for the engine's bound
         self.recovery_lock = threading.Lock()  # one request thread recovers the server, the others wait for it
+        # when and why a request thread last gave up waiting for it (attached: not restartable): the requests that
+        # failed before then fail with it instead of each waiting startup_timeout_s in turn
+        self.gave_up: Optional[tuple[float, str]] = None
 
     @classmethod
     def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
@@ -722,7 +725,7 @@ class ServerEngine(ABC):
         ``redo_after_death`` False, a call during which the server died."""
         retries, backoff = 0, self.retry_backoff_s
         while True:
-            incarnation = server.incarnation
+            incarnation, since = server.incarnation, time.monotonic()
             try:
                 return call(server)
             except EngineError as exc:
@@ -736,7 +739,7 @@ class ServerEngine(ABC):
                 refused = isinstance(exc, ServerUnreachable) and exc.refused
                 if not redo_after_death and not refused and not server.healthy(self.health_path):
                     raise  # it died or is dying during the call: the next call restarts it
-                restarted = self._recover(server, incarnation, what, exc)
+                restarted = self._recover(server, incarnation, since, what, exc)
                 if not restarted and isinstance(exc, ServerUnreachable) and exc.timed_out:
                     raise EngineError(f"{exc}: it took longer than inference.request_timeout_s "
                                       f"({self.request_timeout_s:.0f} s) while the server stayed healthy; raise "
@@ -758,14 +761,17 @@ class ServerEngine(ABC):
             return exc.status in TRANSIENT_STATUSES or (exc.status >= 500 and not server.alive())
         return False
 
-    def _recover(self, server: Server, incarnation: int, what: str, failure: EngineError) -> bool:
-        """Bring ``server`` back after ``failure``; whether it was restarted (by this call or, since
-        ``incarnation``, by another request's). A server this run started that died, or that does not answer its
-        health check within ``startup_timeout_s``, is restarted; an attached one is waited for that long, then an
-        :class:`EngineError` says it cannot be restarted from here."""
+    def _recover(self, server: Server, incarnation: int, since: float, what: str, failure: EngineError) -> bool:
+        """Bring ``server`` back after ``failure`` of a call made at ``since``; whether it was restarted (by this
+        call or, since ``incarnation``, by another request's). A server this run started that died, or that does not
+        answer its health check within ``startup_timeout_s``, is restarted; an attached one is waited for that long,
+        then an :class:`EngineError` says it cannot be restarted from here (and every call that had failed by then
+        fails with it at once)."""
         with server.recovery_lock:  # one request thread recovers; the others find it done
             if server.incarnation != incarnation:
                 return True
+            if server.gave_up is not None and server.gave_up[0] >= since:
+                raise EngineError(server.gave_up[1])
             deadline = time.monotonic() + self.startup_timeout_s
             while True:
                 if not server.alive():
@@ -776,11 +782,13 @@ class ServerEngine(ABC):
                     return False
                 if time.monotonic() > deadline:
                     if server.process is None:
-                        raise EngineError(f"{self.name} server at {server.url} has not answered GET "
-                                          f"{self.health_path} for {self.startup_timeout_s:.0f} s since {what} "
-                                          f"failed ({str(failure).splitlines()[0][:300]}); this run did not start "
-                                          "it, so it cannot restart it: restart it (or its job) and resume the run, "
-                                          "or raise inference.startup_timeout_s") from None
+                        message = (f"{self.name} server at {server.url} has not answered GET {self.health_path} "
+                                   f"for {self.startup_timeout_s:.0f} s since {what} failed "
+                                   f"({str(failure).splitlines()[0][:300]}); this run did not start it, so it "
+                                   "cannot restart it: restart it (or its job) and resume the run, or raise "
+                                   "inference.startup_timeout_s")
+                        server.gave_up = (time.monotonic(), message)
+                        raise EngineError(message) from None
                     self._restart(server, f"it did not answer GET {self.health_path} for "
                                           f"{self.startup_timeout_s:.0f} s ({what} failed: "
                                           f"{str(failure).splitlines()[0][:200]})")
