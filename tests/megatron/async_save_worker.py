@@ -3,7 +3,7 @@ process), on megatron_worker.py's model and batches. Results go to --out as JSON
 nothing is asserted here.
 
   equal       step 1, then the same state saved in the foreground (sync/) and in the background (async/); step 2 runs
-              while the background write is pending, then it completes. Each checkpoint is loaded back: its weights,
+              while the background write is pending (its writer stalled 2 s), then it completes. Each checkpoint is loaded back: its weights,
               then one more step and the logits after it, per rank. Then two background saves in a row (chain/),
               a step between them; then one whose writer stalls on rank 1, polled with finish_save(wait=False)
               until complete. With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
@@ -18,16 +18,37 @@ nothing is asserted here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from megatron_worker import config, make_batch
 
 import torch
 import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def stalled_writer(seconds: float, stall: bool = True) -> Iterator[None]:
+    """Background writers of the saves started inside stall ``seconds`` before they write (a slow disk)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def stalled(*write_args, **write_kwargs):
+        time.sleep(seconds)
+        write(*write_args, **write_kwargs)
+
+    if stall:
+        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
+    try:
+        yield
+    finally:
+        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write)
 
 
 def weights(trainer) -> dict:
@@ -44,10 +65,12 @@ def scenario_equal(args) -> None:
     saved = weights(trainer)
     trainer.save(str(args.out / "sync"))
     began = time.perf_counter()
-    path = trainer.save(str(args.out / "async"), background=True)
+    with stalled_writer(2):  # step 2 surely runs before the write
+        path = trainer.save(str(args.out / "async"), background=True)
     result = {"blocking_s": time.perf_counter() - began, "path": path,
               "visible_while_pending": find_latest(args.out / "async") is not None}
     trainer.train_step(make_batch(2))  # changes the weights the background write is saving
+    result["written_before_step_2"] = bool(list((args.out / "async").glob(f".step_*/.write_results.rank{rank}")))
     result["write_s"] = trainer.finish_save(wait=True)
     result["complete"] = is_complete(path)
     for tag in ("sync", "async"):
@@ -73,18 +96,9 @@ def poll(trainer, args) -> list:
     """A background save whose writer stalls for 3 s on rank 1 (a slow disk there), completed by the loop's
     non-blocking check: rank 0 checks once its own files are written, rank 1 at once. What each check returned, per
     rank (every rank must decide the same at each: a rank completing alone would wait in a collective for ever)."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     rank = dist.get_rank()
-    write = FileSystemWriterAsync.write_preloaded_data_multithread
-    if rank == 1:
-        def stalled(*write_args, **write_kwargs):
-            time.sleep(3)
-            write(*write_args, **write_kwargs)
-
-        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
-    trainer.save(str(args.out / "poll"), background=True)
-    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write)
+    with stalled_writer(3, stall=rank == 1):
+        trainer.save(str(args.out / "poll"), background=True)
     while rank == 0 and not list((args.out / "poll").glob(f".step_*.partial-*/.write_results.rank{rank}")):
         time.sleep(0.05)
     polls = []
@@ -136,22 +150,14 @@ def scenario_killpending(args) -> None:
 def scenario_orphan(args) -> None:
     import multiprocessing
 
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     from spade_mega.megatron import Trainer
     from spade_mega.selfplay.lock import RunDirLock
 
-    write = FileSystemWriterAsync.write_preloaded_data_multithread
-
-    def stalled(*write_args, **write_kwargs):
-        time.sleep(600)
-        write(*write_args, **write_kwargs)
-
-    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
     lock = RunDirLock(args.out / "run")
     trainer = Trainer(config(args.overrides))
     trainer.train_step(make_batch(1))
-    trainer.save(str(args.out / "ckpt"), background=True)
+    with stalled_writer(600):
+        trainer.save(str(args.out / "ckpt"), background=True)
     print("PENDING", *[child.pid for child in multiprocessing.active_children()], flush=True)
     time.sleep(600)
     lock.close()

@@ -38,6 +38,7 @@ def test_a_background_save_holds_the_state_of_its_call_and_resumes_as_a_foregrou
         result = read_json(two_ranks / f"equal_rank{rank}.json")
         assert not result["visible_while_pending"] and result["complete"]
         assert result["write_s"] is not None and result["write_s"] >= 0
+        assert not result["written_before_step_2"]  # the write came after step 2 changed the weights
         assert result["sync_weights_as_saved"] and result["async_weights_as_saved"]  # not step 2's weights
         assert result["sync_step"]["loss"] == result["async_step"]["loss"]
         assert result["sync_step"]["grad_norm"] == result["async_step"]["grad_norm"]
