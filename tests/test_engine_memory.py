@@ -383,6 +383,27 @@ def test_eval_wakes_every_attached_server_left_asleep_and_each_loads_the_folder_
     assert f"scored {tmp_path / 'scored'}, run.seed 1234\narithmetic (qa)\n" in capsys.readouterr().out
 
 
+def test_a_vllm_server_without_dev_mode_is_named_as_such(model_folder, make_servers, tmp_path, capsys) -> None:
+    """A server started with a plain `vllm serve` (no VLLM_SERVER_DEV_MODE=1) has none of the routes weights are
+    loaded and sleep is asked through: `spade-mega eval` on it, and a weight update, say so, naming the server and
+    what to do (they said 'HTTP 404: Not Found' and nothing else)."""
+    from spade_mega.cli import main
+
+    (plain,) = make_servers("vllm", count=1, dev_mode=False)
+    assert main(["eval", str(TINY), "rollout.engine=vllm", f"inference.server_urls=[{plain.url}]",
+                 f"inference.hf_weights={model_folder}", "logging.progress=false", f"run.output_dir={tmp_path}",
+                 "--hf-weights", str(model_folder)]) == 2
+    assert (f"vLLM server at {plain.url} has no GET /is_sleeping: it was started without VLLM_SERVER_DEV_MODE=1"
+            in capsys.readouterr().err)
+    engine = _attach("vllm", [plain], model_folder, release=False)
+    try:
+        with pytest.raises(EngineError, match=f"{plain.url} has no POST /collective_rpc: .*restart it with "
+                                              "VLLM_SERVER_DEV_MODE=1"):
+            engine.update_weights([load_file(str(model_folder / "model.safetensors"))], version=1)
+    finally:
+        engine.close()
+
+
 def test_a_folder_load_checks_the_served_config_and_takes_tied_folders_with_or_without_the_head_copy(
         model_folder, make_servers, tmp_path) -> None:
     """load_folder (eval --hf-weights on attached servers, which keep the config.json they started on): a folder of

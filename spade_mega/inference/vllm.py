@@ -122,11 +122,25 @@ class VLLMEngine(ServerEngine):
         choice = reply["choices"][0]
         return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
 
+    @staticmethod
+    def _dev_request(server: Server, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
+        """``method path`` on one of vLLM's dev-mode routes: a 404 is a server started without them (a plain
+        ``vllm serve``), named as such rather than as a bare 'HTTP 404: Not Found'."""
+        try:
+            return server.request(method, path, body, timeout_s=timeout_s)
+        except HTTPStatusError as exc:
+            if exc.status != 404:
+                raise
+            raise EngineError(f"vLLM server at {server.url} has no {method} {path}: it was started without "
+                              "VLLM_SERVER_DEV_MODE=1, which mounts the routes weights are loaded (and a server left "
+                              "asleep is woken) through; restart it with VLLM_SERVER_DEV_MODE=1 in its "
+                              "environment") from None
+
     def _reload(self, server: Server, folder: Any, version: int) -> None:
-        server.request("POST", "/collective_rpc", {"method": "reload_weights",
-                                                   "kwargs": {"weights_path": str(folder)}},
-                       timeout_s=self.request_timeout_s)
-        server.request("POST", "/reset_prefix_cache", {}, timeout_s=60.0)
+        self._dev_request(server, "POST", "/collective_rpc", {"method": "reload_weights",
+                                                              "kwargs": {"weights_path": str(folder)}},
+                          timeout_s=self.request_timeout_s)
+        self._dev_request(server, "POST", "/reset_prefix_cache", {}, timeout_s=60.0)
 
     memory_release_flag = "--enable-sleep-mode"
 
@@ -139,7 +153,7 @@ class VLLMEngine(ServerEngine):
             raise EngineError(f"POST /wake_up?tags={tag} left it asleep: {str(reply)[:300]}")
 
     def _held_memory(self, server: Server) -> set[str]:
-        reply = server.request("GET", "/is_sleeping", timeout_s=60.0)  # which tags, it does not say: all
+        reply = self._dev_request(server, "GET", "/is_sleeping", timeout_s=60.0)  # which tags, it does not say: all
         return set(MEMORY_TAGS) if isinstance(reply, dict) and reply.get("is_sleeping") else set()
 
     def _release_problem(self, server: Server) -> Optional[str]:
