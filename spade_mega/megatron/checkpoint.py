@@ -479,7 +479,21 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
         request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy="mcore")
         if request.async_fn is not None:
             request = request._replace(async_fn=_dying_with_trainer(request.async_fn))
-        calls.schedule_async_request(request)
+    failure = None
+    try:  # a fork the kernel refuses (no memory for the copy, a process limit) fails on its own rank only
+        with _writing(root):
+            calls.schedule_async_request(request)
+    except CheckpointError as exc:
+        failure = str(exc)
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)  # every rank raises, where one alone would leave the others waiting
+    failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
+    if failed:
+        for call in calls.async_calls:  # the checkpoint cannot complete without the failed rank's files
+            call.async_caller.close(abort=True)
+        rank, message = failed[0]
+        raise CheckpointError(f"{message} (rank {rank}'s background writer did not start; the writers that did were "
+                              "stopped)")
     return PendingSave(step_dir(root, trainer.step), calls, results if request.async_fn is not None else None,
                        finish)
 

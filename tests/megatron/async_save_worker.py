@@ -7,7 +7,8 @@ nothing is asserted here.
               then one more step and the logits after it, per rank. Then two background saves in a row (chain/),
               a step between them; then one whose writer stalls on rank 1, polled with finish_save(wait=False)
               until complete. With --fail-rank, then a background save whose writer on that rank runs under a file-size limit it
-              exceeds (a full disk, for real): the error each rank gets when completing it, then one more step
+              exceeds (a full disk, for real): the error each rank gets when completing it, then one more step;
+              then a background save whose writer the other rank cannot fork: each rank's error, one more step
   killpending with no checkpoint under --out/ckpt: step 1 saved in the foreground, step 2 saved in the background,
               then "PENDING" and a wait that the test ends with SIGKILL; with one: load the newest, save, exit
   orphan      the run directory --out/run locked as the loop's rank 0 locks it, step 1 saved in the background by a
@@ -90,6 +91,7 @@ def scenario_equal(args) -> None:
     (args.out / f"equal_rank{rank}.json").write_text(json.dumps(result))
     if args.fail_rank is not None:
         fail(trainer, args)
+        fork_refused(trainer, args)
 
 
 def poll(trainer, args) -> list:
@@ -125,6 +127,34 @@ def fail(trainer, args) -> None:
     trainer.train_step(make_batch(5))  # the ranks go on together after the error
     (args.out / f"fail_rank{rank}.json").write_text(json.dumps({"error": error, "pending": trainer.pending_save
                                                                 is not None}))
+
+
+def fork_refused(trainer, args) -> None:
+    """A background save whose writer the other rank than --fail-rank cannot fork (the kernel refuses the memory for
+    the copy: ENOMEM), the error each rank gets from the save, then one more step together."""
+    import errno
+    import os
+
+    from spade_mega.megatron import CheckpointError
+
+    rank = dist.get_rank()
+    fork = os.fork
+
+    def refused():
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    if rank != args.fail_rank:
+        os.fork = refused
+    try:
+        trainer.save(str(args.out / "refused"), background=True)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        os.fork = fork
+    trainer.train_step(make_batch(6))
+    (args.out / f"refused_rank{rank}.json").write_text(json.dumps({"error": error, "pending": trainer.pending_save
+                                                                   is not None}))
 
 
 def scenario_killpending(args) -> None:

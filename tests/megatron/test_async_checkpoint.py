@@ -67,6 +67,13 @@ def test_a_background_write_that_fails_on_one_rank_is_an_error_on_every_rank(two
     assert message.startswith(f"{two_ranks / 'ckpt' / 'step_00000003'}: the background write of this checkpoint "
                               "failed (rank 0: ") and "OSError" in message and "previous checkpoint stays" in message
     assert find_latest(two_ranks / "ckpt") is None
+    # a writer that cannot be forked on rank 1 (rank 0's was): the save's error on both ranks, which train on together
+    refused = [read_json(two_ranks / f"refused_rank{rank}.json") for rank in (0, 1)]
+    assert refused[0] == refused[1] and not refused[0]["pending"]
+    assert refused[0]["error"].startswith(f"{two_ranks / 'refused'}: cannot save a checkpoint there (OSError: "), \
+        refused[0]["error"]
+    assert "rank 1's background writer did not start" in refused[0]["error"]
+    assert find_latest(two_ranks / "refused") is None
 
 
 def test_a_job_killed_before_its_background_save_completed_resumes_from_the_previous_checkpoint(
