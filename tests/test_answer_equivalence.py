@@ -88,6 +88,8 @@ SAME = [  # (answer the model boxed, reference)
     ("\\sqrt[5]{-32}", "-2"),
     ("\\sqrt[3]{-2}", "-\\sqrt[3]{2}"),
     ("\\sqrt[4]{16}", "2"),
+    ("\\sqrt{2+\\sqrt{2+\\sqrt{2}}}", "2\\cos\\frac{\\pi}{16}"),  # nested MAX_NESTING deep
+    ("\\log_2(\\log_2(\\log_2 65536))", "2"),
     ("\\log 100", "2"),
     ("\\log 2 + \\log 5", "1"),
     ("\\ln e^{3}", "3"),
@@ -269,6 +271,8 @@ PATHOLOGICAL = ["9^{9^{9^9}}", "10^{10^{10}}", "2^{2^{100}}", "(\\sqrt{2})^{10^{
                 "2^{2^{\\pi \\cdot 10^{9}}}", "e^{e^{e^{9}}}", "x^{e^{e^{9}}}",  # irrational exponents: evalf hung
                 "(10^{5})!", "((5!)!)!", "(x^{100})!", "\\binom{10^{100}}{10^{50}}", "\\binom{x^{100}}{2}",
                 "\\sqrt[3]{-3^{6000}-1}",
+                "\\log(" * 8 + "5" + ")" * 8, "\\ln(" * 12 + "x" + ")" * 12,  # nested: ~30 times slower a level
+                "\\sqrt[3]{" * 12 + "x" + "-5}" * 12, "(" * 12 + "x" + ")^{\\pi}" * 12,
                 ", ".join(f"{i} \\pm \\sqrt{{2}}" for i in range(MAX_ITEMS // 2 + 1)),  # 34 values
                 "\\begin{pmatrix}" + "\\\\".join("&".join("1" * 3) for _ in range(11)) + "\\end{pmatrix}"]  # 33 entries
 

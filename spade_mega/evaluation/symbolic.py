@@ -31,9 +31,11 @@ equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side
 (matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
 (``9^{9^{9^9}}``, and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a
 trigonometric function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS``
-digits and a factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an
-expression): sympy evaluates powers, roots and factorials of rationals as it builds them, so the size is checked
-before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
+digits, a factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an
+expression) and functions, roots or non-integer powers nested over ``MAX_NESTING`` deep
+(``\\log(\\log(\\log(\\log 5)))``: evalf's time grows tenfold and more a level): sympy evaluates powers, roots and
+factorials of rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no
+timer: the same answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -56,6 +58,8 @@ MAX_DIGITS = 10_000  # the largest power sympy is asked to compute exactly
 MAX_ITEMS = 32  # entries of a set or list compared in any order
 MAX_ROOT_DIGITS = 100  # the largest number sympy is asked to take a root of (\sqrt[7]{3^{6000}+1} took 25 s)
 MAX_FACTORIAL = 3000  # the largest argument of a factorial or binomial (3000! has 9131 digits, under MAX_DIGITS)
+MAX_NESTING = 3  # functions, roots and non-integer powers inside each other (sympy's evalf of nested logarithms,
+# roots and powers of complex values re-evaluates the inner ones at each level: \log^8(5) never returned)
 PRECISION = 60  # significant digits of the numerical identity test
 DIGITS = 45  # the digits two values must share (the rest is evaluation error)
 # the variables' values of the identity test: non-integers far from the poles of the usual answer forms
@@ -354,7 +358,7 @@ class _Parser:
             value = getattr(sp, _FUNCTIONS[name])(argument)
         else:
             value = sp.log(argument) / sp.log(_nonzero(base))
-        return value if exponent is None else _power(sp, value, exponent)
+        return _nested(sp, value) if exponent is None else _power(sp, value, exponent)
 
 
 def _is_number(token: str) -> bool:
@@ -383,7 +387,22 @@ def _combination(sympy: Any, n: Any, k: Any = None) -> Any:
                 raise Refused("a factorial or binomial of no natural number up to MAX_FACTORIAL")
         elif _size(sympy, argument) > math.log10(MAX_FACTORIAL):
             raise Refused("a factorial or binomial of an expression too large")
-    return sympy.factorial(n) if k is None else sympy.binomial(n, k)
+    return _nested(sympy, sympy.factorial(n) if k is None else sympy.binomial(n, k))
+
+
+def _depth(sympy: Any, value: Any) -> int:
+    """How deep functions (``\\log``, ``\\sin``, ``|x|``, ``n!``) and powers with a non-integer exponent (roots) nest
+    in ``value``: ``\\sqrt{2 + \\sqrt{3}}`` is 2, ``\\log(x)`` (log(x) / log(10)) 1."""
+    own = isinstance(value, sympy.Function) or (value.is_Pow and not value.exp.is_Integer)
+    return int(own) + max((_depth(sympy, arg) for arg in value.args), default=0)
+
+
+def _nested(sympy: Any, value: Any) -> Any:
+    """``value``, refused when it nests over MAX_NESTING deep (``_depth``): sympy's evalf re-evaluates the inner levels
+    of nested logarithms, roots and powers of complex values at each level, so the time grows about tenfold a level."""
+    if _depth(sympy, value) > MAX_NESTING:
+        raise Refused("functions or roots nested too deep")
+    return value
 
 
 def _nonzero(value: Any) -> Any:
@@ -416,7 +435,7 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
     elif base not in (0, 1, -1):
         if _size(sympy, exponent) + math.log10(max(1.0, abs(_size(sympy, base)))) > math.log10(MAX_DIGITS):
             raise Refused("a power too large")
-    return sympy.Pow(base, exponent)
+    return _nested(sympy, sympy.Pow(base, exponent))
 
 
 def _may_be_large(sympy: Any, value: Any) -> bool:
