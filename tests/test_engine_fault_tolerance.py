@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -470,3 +471,32 @@ def test_a_folder_load_waits_for_an_attached_server_that_is_down(model_folder, i
         assert engine.weight_version == 1 and engine.recoveries == {"request_retries": 1, "server_restarts": 0}
     finally:
         engine.close()
+
+
+def test_the_weights_a_killed_run_kept_in_shared_memory_are_removed_by_the_next_engine(model_folder, tmp_path,
+                                                                                        in_thread):
+    """The copy of the current weights kept for restarts (the model's size in /dev/shm) outlives a run killed
+    without cleanup (torchrun's SIGTERM, kill -9, the OOM killer): the next engine on the node removes the folders
+    of engines that are gone, never one of an engine still running."""
+    url, script = in_thread().url, tmp_path / "owner.py"
+    script.write_text("import sys, time\nfrom pathlib import Path\n"
+                      "from spade_mega.inference.server import Server\nfrom spade_mega.inference.vllm import VLLMEngine\n"
+                      "engine = VLLMEngine([Server('vLLM', sys.argv[2])], Path(sys.argv[1]), eos_token_id=0)\n"
+                      "(engine._sync_root / 'v1-0').mkdir()  # the kept copy\n"
+                      "print(engine._sync_root, flush=True)\ntime.sleep(600)\n")
+    killed = subprocess.Popen([sys.executable, str(script), str(model_folder), url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engines: list[VLLMEngine] = []
+    try:
+        left = Path(killed.stdout.readline().strip())  # type: ignore[union-attr]
+        assert (left / "v1-0").is_dir()
+        engines.append(VLLMEngine([Server("vLLM", url)], model_folder, eos_token_id=0))
+        assert (left / "v1-0").is_dir()  # its engine still runs
+        killed.kill()
+        killed.wait()
+        engines.append(VLLMEngine([Server("vLLM", url)], model_folder, eos_token_id=0))
+        assert not left.exists() and engines[0]._sync_root.is_dir() and engines[1]._sync_root.is_dir()
+    finally:
+        killed.kill()
+        killed.wait()
+        for engine in engines:
+            engine.close()

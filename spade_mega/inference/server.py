@@ -398,6 +398,37 @@ def _default_sync_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def _own_sync_root(root: Path) -> tuple[Path, tuple[int, Path]]:
+    """A new staging folder of this process's own in ``root``, with the descriptor and path of its lock file (beside
+    it: ``<folder>.owner``, locked with flock while the process lives). First, the folders of engines whose process
+    is gone are removed: one killed without cleanup (torchrun's SIGTERM, kill -9, the OOM killer) left its staged
+    weights, and the copy kept for restarts, in memory (/dev/shm) until the node reboots. The kernel drops a dead
+    process's flock, so a lock that can be taken has no engine; a folder without a lock file is left alone."""
+    import fcntl
+
+    for lock in root.glob("spade-weights-*.owner"):
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:  # another user's, or just removed
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its engine runs
+            os.close(fd)
+            continue
+        folder = lock.with_suffix("")
+        log.warning("removing %s, the weight staging folder of an engine whose process is gone", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+    folder = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root))
+    lock, pending = root / f"{folder.name}.owner", root / f"{folder.name}.owner-new"
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has the name a sweep looks for
+    os.rename(pending, lock)
+    return folder, (fd, lock)
+
+
 class ServerEngine(ABC):
     """The engine protocol over a :class:`Server`. Subclasses give the request format (:meth:`_payload`,
     :meth:`_parse`) and the reload call (:meth:`_reload`)."""
@@ -442,7 +473,7 @@ class ServerEngine(ABC):
         # absolute: the servers are told the staged folder's path, and one started elsewhere has another cwd
         root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir).absolute()
         root.mkdir(parents=True, exist_ok=True)
-        self._sync_root = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root)) if self._own_sync_root else root
+        self._sync_root, self._sync_lock = _own_sync_root(root) if self._own_sync_root else (root, None)
         self._version = 0
         self._lock = threading.Lock()
 
@@ -984,6 +1015,11 @@ class ServerEngine(ABC):
             self._served_folder = None
         if self._own_sync_root:  # a shared weight_sync_dir holds nothing of ours by now
             shutil.rmtree(self._sync_root, ignore_errors=True)
+        if self._sync_lock is not None:
+            fd, lock = self._sync_lock
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+            self._sync_lock = None
 
     def __enter__(self) -> "ServerEngine":
         return self
