@@ -99,6 +99,8 @@ SAME = [  # (answer the model boxed, reference)
     ("3\\text{ Millions}", "3 \\cdot 10^6"),
     ("5\\text{ thousand}.", "5000"),  # a full stop after the unit, as scoring.py's number path takes it
     ("5\\text{ thousand dollars}", "5000\\text{ dollars}"),
+    ("5\\text{ hundred thousand}", "500,000"),  # every leading scale word is a factor
+    ("5\\text{ thousandths}", "0.005"),
     # formatting: \textnormal units, \cfrac, x \in, named lists, "and"
     ("125\\textnormal{ miles}", "125"),
     ("\\cfrac{1}{3}", "1/3"),
@@ -193,6 +195,8 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("5\\text{ thousand}.", "5"),
     ("5\\text{ million}", "5000"),
     ("5\\text{ thousand dollars}", "5\\text{ dollars}"),
+    ("5\\text{ hundred thousand}", "500"),  # was 500 of a unit "thousand"
+    ("5\\text{ thousandths}", "5"),  # was 5 of a unit "thousandths"
     ("x \\in [-2, 7]", "[-2, 7)"),
     ("6 \\text{ and } 8", "6"),
     ("f(x) = 2x + 1", "2x - 1"),

@@ -497,8 +497,11 @@ _AND = re.compile(r",?\s*(?:\\text\s*\{\s*and\s*\}|\band\b)\s*")  # "6 \text{ an
 
 
 def scale_word(word: str) -> int:
-    """The power of ten a scale word multiplies by (``thousand``, ``Millions``: 3, 6), else 0."""
-    return _SCALES.get(word.lower().removesuffix("s"), 0)
+    """The power of ten a scale word multiplies by (``thousand``, ``Millions``: 3, 6; ``thousandths``: -3), else 0."""
+    word = word.lower().removesuffix("s")
+    if word.endswith("th") and word[:-2] in _SCALES:
+        return -_SCALES[word[:-2]]
+    return _SCALES.get(word, 0)
 
 
 def parse_answer(answer: str) -> Optional[Answer]:
@@ -512,21 +515,23 @@ def parse_answer(answer: str) -> Optional[Answer]:
 
 
 def _answer(raw: str, top: bool = False) -> Answer:
-    """``raw`` without its trailing unit parsed (``_structure``), the unit set on it; a leading scale word of the
-    unit (``5\\text{ million}``, ``5\\text{ thousand dollars}``) is a factor, never dropped: 5 thousand is not 5."""
-    unit, scale = "", 0
+    """``raw`` without its trailing unit parsed (``_structure``), the unit set on it; the leading scale words of the
+    unit (``5\\text{ million}``, ``5\\text{ thousand dollars}``, ``5\\text{ hundred thousand}``, ``5\\text{
+    thousandths}``) are factors, never dropped: 5 thousand is not 5."""
+    unit, scales = "", []
     found = _UNIT.search(raw)
     if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
         words = found.group(1).split()
-        scale = scale_word(words[0])
-        if scale:
-            words.pop(0)
+        while words and scale_word(words[0]):  # 5 hundred thousand: 5 10^5 (not 500 of a unit "thousand")
+            scales.append(scale_word(words.pop(0)))
         unit, raw = " ".join(words), raw[:found.start()]
     answer = _structure(raw, top)
-    if scale:
+    if scales:
+        import sympy
+
         if answer.kind != "expr":
             raise Refused("a scale word after a list or an equation")
-        answer = replace(answer, value=answer.value * 10 ** scale)
+        answer = replace(answer, value=answer.value * sympy.Integer(10) ** sum(scales))
     return replace(answer, unit=answer.unit or unit)
 
 
