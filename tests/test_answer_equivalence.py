@@ -209,6 +209,7 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("\\emptyset", "\\{0\\}"),
     ("2π", "\\pi"),
     ("(x, y) = (1, 2)", "(2, 1)"),
+    ("(y, x) = (1, 2)", "(1, 2)"),  # x = 2, y = 1: its names are not dropped out of order
     ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix}1 & 3\\\\ 2 & 4\\end{pmatrix}"),  # transposed
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\end{pmatrix}"),  # a column is no row
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),

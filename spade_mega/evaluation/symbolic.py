@@ -554,6 +554,8 @@ def _structure(raw: str, top: bool) -> Answer:
     text = _PERCENT.sub("", text).strip()
     named = _VARIABLE.match(text) if top else None
     name = "".join(named.group("name").split()) if named is not None else ""
+    if name.startswith("(") and name[1:-1].split(",") != sorted(name[1:-1].split(",")):
+        raise Refused("a pair named out of order")  # (y, x) = (1, 2) is the pair (x, y) = (2, 1): not (1, 2)
     if named is not None and "=" not in text[named.end():]:  # "x = 5" is 5; "x = y = 5" is refused below
         value = _answer(text[named.end():].strip())
         if value.kind == "set":  # x = \pm 2, x = 1, 2: each value is x's (not y's)
