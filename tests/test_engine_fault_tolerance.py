@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -500,3 +501,28 @@ def test_the_weights_a_killed_run_kept_in_shared_memory_are_removed_by_the_next_
         killed.wait()
         for engine in engines:
             engine.close()
+
+
+def test_an_update_that_does_not_fit_beside_the_kept_weights_says_what_takes_the_room(model_folder, tmp_path):
+    """The kept copy of the current weights doubles what staging needs (60 + 60 GB at Qwen3-30B bf16): a write
+    error (here: the folder removed under the engine) names that copy and max_server_restarts: 0, which keeps none;
+    the kept copy stays, so a server that dies can still be restarted with the current weights."""
+    engine, _, _ = _launch(model_folder, tmp_path)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    names = sorted(weights)
+    try:
+        engine.update_weights([_marked(weights, 7)], version=1)
+        kept = engine._served_folder
+
+        def buckets() -> Iterator[dict[str, torch.Tensor]]:
+            yield {n: weights[n] for n in names[:2]}
+            (staged,) = [f for f in engine._sync_root.iterdir() if f != kept]
+            shutil.rmtree(staged)
+            yield {n: weights[n] for n in names[2:]}
+
+        with pytest.raises(EngineError, match=r"cannot stage weight update 2 in .*beside the copy of weights version 1 "
+                                              r"kept to restart a server that dies .*max_server_restarts: 0"):
+            engine.update_weights(buckets(), version=2)
+        assert engine._served_folder == kept and kept.is_dir() and list(engine._sync_root.iterdir()) == [kept]
+    finally:
+        engine.close()

@@ -990,9 +990,12 @@ class ServerEngine(ABC):
         return folder
 
     def _staging_error(self, version: int, folder: Path, exc: BaseException) -> EngineError:
+        kept = "" if self._served_folder is None else (
+            f", beside the copy of weights version {self._version} kept to restart a server that dies "
+            f"({self._served_folder}; inference.max_server_restarts: 0 keeps none)")
         return EngineError(f"{self.name} engine: cannot stage weight update {version} in {folder} ({exc}); it needs "
-                           "room for the whole model: set inference.weight_sync_dir to a folder that has it (and "
-                           "that the servers see)")
+                           f"room for the whole model{kept}: set inference.weight_sync_dir to a folder that has it "
+                           "(and that the servers see)")
 
     @abstractmethod
     def _reload(self, server: Server, folder: Path, version: int) -> None:
