@@ -84,8 +84,8 @@ class Emulator:
 
     def handle(self, target, body):
         path, _, query = target.partition("?")
-        if path == "/health":
-            return 200, None
+        if path == "/health":  # 503 once its engine died, as vLLM's does
+            return (503 if getattr(self, "dead", False) else 200), None
         if path == "/server_info":  # a GPU server started with --enable-sleep-mode
             return 200, {"vllm_config": {"model_config": {"enable_sleep_mode": True},
                                          "device_config": {"device": "cuda"}}}
@@ -120,6 +120,11 @@ class Emulator:
         if path == "/v1/completions":
             with self.lock:
                 status = self.statuses.pop(0) if self.statuses else 200
+            death = getattr(self, "engine_death", None)
+            if death is not None and death.exists():  # its engine dies (a CUDA error): 500, then it exits
+                death.unlink()
+                self.dead, status = True, 500
+                threading.Timer(0.5, os._exit, (1,)).start()
             self.record(f"generate {status}")
             if status != 200:
                 return status, {"error": {"message": f"emulated {status}"}}
@@ -136,6 +141,7 @@ if __name__ == "__main__":
         print("RuntimeError: CUDA error: out of memory (emulated)", flush=True)
         sys.exit(1)
     emulator = Emulator(port, events, delay=float(os.environ.get("EMULATOR_DELAY", "0")))
+    emulator.engine_death = die.with_suffix(".engine")
     emulator.record("start")
     emulator.httpd.serve_forever(poll_interval=0.05)
 '''
@@ -526,3 +532,30 @@ def test_an_update_that_does_not_fit_beside_the_kept_weights_says_what_takes_the
         assert engine._served_folder == kept and kept.is_dir() and list(engine._sync_root.iterdir()) == [kept]
     finally:
         engine.close()
+
+
+def test_a_500_from_a_server_whose_engine_died_is_redone_on_the_restarted_server(model_folder, tmp_path,
+                                                                                 in_thread):
+    """vLLM answers the requests its dead engine (a CUDA error, an OOM) fails with 500, its /health 503, and exits a
+    moment later: the 500 is the death, not the request's fault (the process may still be alive when it arrives), so
+    the server is restarted with the current weights and the request redone. A 500 of a healthy server is not."""
+    engine, events, die = _launch(model_folder, tmp_path)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    try:
+        engine.update_weights([_marked(weights, 7)], version=1)
+        first_pid = engine.servers[0].process.pid
+        die.with_suffix(".engine").write_text("")
+        out = engine.generate(_requests(1))
+        assert [g.output_ids for g in out] == [(10 + 1 + 7,)]
+        assert f"{first_pid} generate 500" in _events(events)
+        assert engine.servers[0].process.pid != first_pid and engine.recoveries["server_restarts"] == 1
+    finally:
+        engine.close()
+    healthy = VLLMEngine.attach([in_thread(statuses=[500]).url], model_folder, eos_token_id=TOK.eos_token_id,
+                                startup_timeout_s=10, retry_backoff_s=0.05)
+    try:
+        with pytest.raises(EngineError, match="HTTP 500: emulated 500"):
+            healthy.generate(_requests(1))
+        assert healthy.recoveries["request_retries"] == 0
+    finally:
+        healthy.close()

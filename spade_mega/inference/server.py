@@ -784,12 +784,13 @@ class ServerEngine(ABC):
                     time.sleep(backoff)
                     backoff = min(2 * backoff, max(BACKOFF_CAP_S, self.retry_backoff_s))
 
-    @staticmethod
-    def _transient(server: Server, exc: EngineError) -> bool:
+    def _transient(self, server: Server, exc: EngineError) -> bool:
         if isinstance(exc, ServerUnreachable):
             return True
-        if isinstance(exc, HTTPStatusError):  # a 500 of a server that then died was the death, not the request
-            return exc.status in TRANSIENT_STATUSES or (exc.status >= 500 and not server.alive())
+        if isinstance(exc, HTTPStatusError):  # a 500 of a server whose engine died (vLLM's /health then answers 503
+            # and it exits a moment later: it may still be alive now) was the death, not the request
+            return exc.status in TRANSIENT_STATUSES or (exc.status >= 500 and (
+                not server.alive() or not server.healthy(self.health_path)))
         return False
 
     def _recover(self, server: Server, incarnation: int, since: float, what: str, failure: EngineError) -> bool:
