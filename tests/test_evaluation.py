@@ -597,11 +597,12 @@ WAIT_FOR_RANK_0 = """
 import sys, time
 import torch.distributed as dist
 from spade_mega.config.loader import load_config
-from spade_mega.megatron.parallel import init_distributed
+from spade_mega.megatron.parallel import init_distributed, shutdown
 from spade_mega.selfplay.loop import _from_rank0
 
 init_distributed(load_config(sys.argv[1], sys.argv[2:]).parallel)
 print(_from_rank0(lambda: time.sleep(4) or "scored", share=True))  # rank 0 evaluates; the others wait for it
+shutdown()  # as every spade-mega command leaves: gloo's teardown at exit can abort a rank whose peer has gone
 """
 
 
