@@ -234,6 +234,36 @@ def test_an_attached_server_that_goes_away_is_waited_for_then_named(model_folder
         engine.close()
 
 
+def test_an_attached_server_restarted_by_someone_else_after_an_update_is_not_generated_from(model_folder, in_thread):
+    """An attached server that refused connections and came back was restarted by its own supervisor, on the folder
+    it was started on: past a weight update that is not what the engine serves (training would sample from other
+    weights than the trainer's, eval score others than it named), so the engine refuses to generate until a complete
+    update, which the restarted server loads; the same comeback before any update is fine (test above)."""
+    first = in_thread()
+    port = first.httpd.server_address[1]
+    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               request_retries=2, retry_backoff_s=0.05)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    try:
+        engine.update_weights([_marked(weights, 7)], version=1)
+        assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 7,)
+        first.httpd.shutdown()
+        first.httpd.server_close()
+        back = threading.Timer(1.0, lambda: in_thread(port=port))  # restarted on its launch folder (marker 0)
+        back.start()
+        with pytest.raises(EngineError, match=f"server at {first.url} stopped accepting connections and came back: "
+                                              "something restarted it, so it serves the weights it was started "
+                                              "on, not weights version 1; .* resume the run"):
+            engine.generate(_requests(2))
+        back.join()
+        with pytest.raises(EngineError, match="a complete update_weights must succeed before it generates again"):
+            engine.generate(_requests(1))
+        engine.update_weights([_marked(weights, 8)], version=2)
+        assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 8,)
+    finally:
+        engine.close()
+
+
 def test_an_attached_server_that_stays_away_fails_naming_it(model_folder, in_thread):
     emulator = in_thread()
     engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=1.5,

@@ -294,11 +294,15 @@ class Server:
 
     def healthy(self, health_path: str) -> bool:
         """Whether its health endpoint answers 200 now (within a few seconds)."""
+        return self.health_error(health_path) is None
+
+    def health_error(self, health_path: str) -> Optional[EngineError]:
+        """Why its health endpoint does not answer 200 now (within a few seconds); None when it does."""
         try:
             self.request("GET", health_path, timeout_s=5.0, json_reply=False)
-            return True
-        except EngineError:
-            return False
+            return None
+        except EngineError as exc:
+            return exc
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of the server's log, formatted to end an error message ("" for an attached server)."""
@@ -475,6 +479,7 @@ class ServerEngine(ABC):
         root.mkdir(parents=True, exist_ok=True)
         self._sync_root, self._sync_lock = _own_sync_root(root) if self._own_sync_root else (root, None)
         self._version = 0
+        self._updated = False  # whether the servers were told to serve other weights than model_dir's
         self._lock = threading.Lock()
 
     # ---- starting ---------------------------------------------------------------------------------------------
@@ -747,13 +752,14 @@ class ServerEngine(ABC):
     # ---- fault tolerance --------------------------------------------------------------------------------------
 
     def _with_recovery(self, server: Server, what: str, call: Callable[[Server], Any], *,
-                       redo_after_death: bool = True) -> Any:
+                       redo_after_death: bool = True, loads_weights: bool = False) -> Any:
         """``call(server)``, redone (the same request: the same seed) after a failure that is not the request's own
         fault: the server refused the connection, broke it, timed out, or answered 429/502/503/504. Before each
         redo the server is recovered (:meth:`_recover`: waited for, or restarted when this run started it and it
         died); a redo after a plain busy answer waits ``retry_backoff_s``, doubled each time. A timeout on a server
         that is still healthy is the request's (too slow for ``request_timeout_s``) and is not redone; nor, with
-        ``redo_after_death`` False, a call during which the server died."""
+        ``redo_after_death`` False, a call during which the server died. ``loads_weights``: the call makes the server
+        serve a whole set of weights (a reload), so a server restarted by someone else is fine for it."""
         retries, backoff = 0, self.retry_backoff_s
         while True:
             incarnation, since = server.incarnation, time.monotonic()
@@ -770,7 +776,7 @@ class ServerEngine(ABC):
                 refused = isinstance(exc, ServerUnreachable) and exc.refused
                 if not redo_after_death and not refused and not server.healthy(self.health_path):
                     raise  # it died or is dying during the call: the next call restarts it
-                restarted = self._recover(server, incarnation, since, what, exc)
+                restarted = self._recover(server, incarnation, since, what, exc, loads_weights=loads_weights)
                 if not restarted and isinstance(exc, ServerUnreachable) and exc.timed_out:
                     raise EngineError(f"{exc}: it took longer than inference.request_timeout_s "
                                       f"({self.request_timeout_s:.0f} s) while the server stayed healthy; raise "
@@ -793,25 +799,33 @@ class ServerEngine(ABC):
                 not server.alive() or not server.healthy(self.health_path)))
         return False
 
-    def _recover(self, server: Server, incarnation: int, since: float, what: str, failure: EngineError) -> bool:
+    def _recover(self, server: Server, incarnation: int, since: float, what: str, failure: EngineError, *,
+                 loads_weights: bool = False) -> bool:
         """Bring ``server`` back after ``failure`` of a call made at ``since``; whether it was restarted (by this
         call or, since ``incarnation``, by another request's). A server this run started that died, or that does not
         answer its health check within ``startup_timeout_s``, is restarted; an attached one is waited for that long,
         then an :class:`EngineError` says it cannot be restarted from here (and every call that had failed by then
-        fails with it at once)."""
+        fails with it at once). An attached server that refused connections was restarted by someone else, on the
+        folder it was started on: after a weight update that is not what the engine serves, so unless ``call``
+        loads a whole set of weights the engine stops generating until a complete update (:meth:`_came_back`)."""
         with server.recovery_lock:  # one request thread recovers; the others find it done
             if server.incarnation != incarnation:
                 return True
             if server.gave_up is not None and server.gave_up[0] >= since:
                 raise EngineError(server.gave_up[1])
             deadline = time.monotonic() + self.startup_timeout_s
+            refused = isinstance(failure, ServerUnreachable) and failure.refused
             while True:
                 if not server.alive():
                     self._restart(server, f"it exited with status {server.process.returncode} "  # type: ignore
                                           f"({what} failed: {str(failure).splitlines()[0][:200]})")
                     return True
-                if server.healthy(self.health_path):
+                problem = server.health_error(self.health_path)
+                if problem is None:
+                    if refused and server.process is None and not loads_weights:
+                        self._came_back(server)
                     return False
+                refused = refused or (isinstance(problem, ServerUnreachable) and problem.refused)
                 if time.monotonic() > deadline:
                     if server.process is None:
                         message = (f"{self.name} server at {server.url} has not answered GET {self.health_path} "
@@ -826,6 +840,20 @@ class ServerEngine(ABC):
                                           f"{str(failure).splitlines()[0][:200]})")
                     return True
                 time.sleep(0.5)
+
+    def _came_back(self, server: Server) -> None:
+        """An attached server that nothing listened on for a while answers again: someone restarted it, and it
+        serves the folder it was started on. Past a weight update (or a folder load) that is not what the engine
+        serves, and only a complete update can tell again what it serves: generating until then would sample from
+        other weights than the trainer's (or score other weights than eval named), so the engine refuses."""
+        if not self._updated:
+            return
+        self._broken = (f"the {self.name} server at {server.url} stopped accepting connections and came back: "
+                        f"something restarted it, so it serves the weights it was started on, not weights version "
+                        f"{self._version}")
+        raise EngineError(f"{self.name} engine: {self._broken}; this run did not start it, so it cannot reload it "
+                          "by itself: resume the run (its first weight sync loads the checkpoint's weights), or run "
+                          "spade-mega eval again")
 
     def _restart(self, server: Server, why: str) -> None:
         """Restart ``server`` (and again while it dies starting) with the weights of the current version, at most
@@ -885,13 +913,14 @@ class ServerEngine(ABC):
             for stale in (previous, None if self._restartable else folder):
                 if stale is not None:
                     shutil.rmtree(stale, ignore_errors=True)
-            self._version, self._broken = version, None
+            self._version, self._broken, self._updated = version, None, True
 
     def _reload_one(self, server: Server, folder: Path, version: int) -> None:
         # redone only on a server that was down before it (refused) or busy: one that dies while loading may have
         # died of these weights, and loading them again would kill it again
         self._with_recovery(server, f"{self.name} weight reload {version}",
-                            lambda server: self._reload(server, folder, version), redo_after_death=False)
+                            lambda server: self._reload(server, folder, version), redo_after_death=False,
+                            loads_weights=True)
 
     def load_folder(self, folder: Path, version: int) -> None:
         """Serve the Hugging Face checkpoint in ``folder`` (safetensors) as weight version ``version``, on servers
@@ -937,7 +966,7 @@ class ServerEngine(ABC):
                 raise EngineError(f"{self.name} engine: {self._broken}. Each server reads the folder from its own "
                                   "file system: one on another node needs it at this same path (a shared file "
                                   "system)") from None
-            self._version, self._broken = version, None
+            self._version, self._broken, self._updated = version, None, True
 
     def _stage(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> Path:
         """Check every bucket and write it as one safetensors file of a new folder beside the served config files;
