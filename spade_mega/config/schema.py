@@ -181,7 +181,8 @@ class InferenceConfig:
     # (refused, reset, HTTP 429/502/503/504, a server found dead) is redone up to request_retries times, waiting
     # retry_backoff_s, doubled each time (at most 30 s); a server this run started that died is restarted with the
     # weights of the current version, at most max_server_restarts times within restart_window_s (0: never; then its
-    # staged weights are not kept). An attached server that stops answering is waited for up to startup_timeout_s.
+    # staged weights are not kept), before the redo (request_retries 0: no restart either). An attached server that
+    # stops answering is waited for up to startup_timeout_s.
     request_retries: int = 3
     retry_backoff_s: float = 1.0
     max_server_restarts: int = 3
