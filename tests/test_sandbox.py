@@ -113,6 +113,26 @@ def test_fixed_hash_seed_makes_fresh_workers_agree() -> None:
         assert other.open(program(source)).reset(0) != observations[0]
 
 
+def test_workers_start_and_play_when_the_trainer_holds_descriptors_numbered_above_1024() -> None:
+    """The pool lifts the open-file limit so the trainer can hold hundreds of workers, whose descriptors then number
+    past 1024: starting a worker must not rely on select() (it refuses them: 'filedescriptor out of range')."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 4096, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        with strict_pool(warm_workers=1) as numbered_high:
+            with numbered_high.open(program(env_source("return 'start'"))) as env:
+                assert env.reset(0) == "start"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_each_reset_builds_a_fresh_instance(pool: SandboxPool) -> None:
     source = env_source("""
         self.count = getattr(self, "count", 0) + 1

@@ -138,7 +138,7 @@ class WorkerProcess:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
         if self.init_pidfd is not None:  # bubblewrap may exit before its init does, and never reaps it: the orphan
-            select.select([self.init_pidfd], [], [], 2.0)  # goes to PID 1 or a subreaper, which may be us (a
+            _readable(self.init_pidfd, 2.0)  # goes to PID 1 or a subreaper, which may be us (a
             try:  # container's entry point). A pidfd is readable once its process has exited.
                 os.waitid(os.P_PIDFD, self.init_pidfd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
@@ -240,13 +240,22 @@ def spawn(launch: Launch, cgroups: CgroupTree | None) -> WorkerProcess:
     return worker
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` becomes readable (or hung up) within ``timeout_s``. poll, not select: select refuses a
+    descriptor numbered 1024 or more, and a trainer holding hundreds of workers (the pool lifts the open-file limit
+    for them) has such numbers: starting a worker then failed with 'filedescriptor out of range in select()'."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _bwrap_child_pid(info_r: int, timeout: float) -> int | None:
     """bubblewrap writes {"child-pid": N, ...} to --info-fd once the sandbox exists (N is its init, the worker's
     parent); None if it exits or stalls first."""
     data = b""
     deadline = time.monotonic() + timeout
     while not data.rstrip().endswith(b"}"):
-        ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
+        ready = _readable(info_r, max(0.0, deadline - time.monotonic()))
         chunk = os.read(info_r, 4096) if ready else b""
         if not chunk:
             return None
