@@ -183,6 +183,24 @@ def _events(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def _attached_and_restarted(model_folder: Path, in_thread: Any) -> tuple[Any, VLLMEngine, Any]:
+    """An engine attached to an emulator (in a thread), the emulator, and ``restart()``: which stops it and starts a
+    fresh one on its port 1 s later (its job restarting it, on its launch weights), returning the started Timer."""
+    first = in_thread()
+    port = first.httpd.server_address[1]
+    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               request_retries=2, retry_backoff_s=0.05)
+
+    def restart() -> threading.Timer:
+        first.httpd.shutdown()
+        first.httpd.server_close()
+        back = threading.Timer(1.0, lambda: in_thread(port=port))
+        back.start()
+        return back
+
+    return first, engine, restart
+
+
 def test_transient_answers_are_retried_and_a_bad_request_is_not(model_folder, in_thread, caplog):
     """A 503 while the server is busy and a 502 from its proxy are redone (with the same payload) after a backoff,
     counted and logged naming the server; a 400 is the request's own fault and fails at once with its message;
@@ -218,15 +236,9 @@ def test_an_attached_server_that_goes_away_is_waited_for_then_named(model_folder
     """A server this run did not start cannot be restarted from here: while it is down (restarted by its job, a
     network blip) requests wait for its health up to inference.startup_timeout_s and are redone; past that, an
     EngineError names it and what to do."""
-    first = in_thread()
-    port = first.httpd.server_address[1]
-    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
-                               request_retries=2, retry_backoff_s=0.05)
+    _, engine, restart = _attached_and_restarted(model_folder, in_thread)
     try:
-        first.httpd.shutdown()
-        first.httpd.server_close()
-        back = threading.Timer(1.0, lambda: in_thread(port=port))  # it comes back on its port after 1 s
-        back.start()
+        back = restart()  # it comes back on its port after 1 s
         assert [g.output_ids for g in engine.generate(_requests(3))] == [(11,), (12,), (13,)]
         back.join()
         assert engine.recoveries["request_retries"] >= 1 and engine.recoveries["server_restarts"] == 0
@@ -239,18 +251,12 @@ def test_an_attached_server_restarted_by_someone_else_after_an_update_is_not_gen
     it was started on: past a weight update that is not what the engine serves (training would sample from other
     weights than the trainer's, eval score others than it named), so the engine refuses to generate until a complete
     update, which the restarted server loads; the same comeback before any update is fine (test above)."""
-    first = in_thread()
-    port = first.httpd.server_address[1]
-    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
-                               request_retries=2, retry_backoff_s=0.05)
+    first, engine, restart = _attached_and_restarted(model_folder, in_thread)
     weights = load_file(str(model_folder / "model.safetensors"))
     try:
         engine.update_weights([_marked(weights, 7)], version=1)
         assert engine.generate(_requests(1))[0].output_ids == (10 + 1 + 7,)
-        first.httpd.shutdown()
-        first.httpd.server_close()
-        back = threading.Timer(1.0, lambda: in_thread(port=port))  # restarted on its launch folder (marker 0)
-        back.start()
+        back = restart()  # on its launch folder (marker 0)
         with pytest.raises(EngineError, match=f"server at {first.url} stopped accepting connections and came back: "
                                               "something restarted it, so it serves the weights it was started "
                                               "on, not weights version 1; .* resume the run"):
@@ -493,15 +499,9 @@ def test_fault_tolerance_settings_are_checked_and_reach_the_engine(model_folder,
 def test_a_folder_load_waits_for_an_attached_server_that_is_down(model_folder, in_thread):
     """`spade-mega eval --hf-weights DIR` on a job's server that its job is restarting (down for a second) loads DIR
     once it is back, as a weight update does (ServerEngine.load_folder), instead of failing at once."""
-    first = in_thread()
-    port = first.httpd.server_address[1]
-    engine = VLLMEngine.attach([first.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
-                               request_retries=2, retry_backoff_s=0.05)
+    first, engine, restart = _attached_and_restarted(model_folder, in_thread)
     try:
-        first.httpd.shutdown()
-        first.httpd.server_close()
-        back = threading.Timer(1.0, lambda: in_thread(port=port))
-        back.start()
+        back = restart()
         engine.load_folder(model_folder, version=1)
         back.join()
         assert any(e.split()[1:3] == ["reload", str(model_folder)] for e in _events(first.events))
