@@ -857,7 +857,6 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
     the forward's argmax; log-probs: the forward's) and as before the kill (seeded samples too). One server start."""
     import logging
     import signal
-    import threading
     import urllib.request
 
     generator = torch.Generator().manual_seed(11)
@@ -870,22 +869,31 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
     server, restarts = vllm.servers[0], vllm.recoveries["server_restarts"]
     pid = server.process.pid
 
-    def kill_while_decoding() -> None:  # once the server says it runs requests (a cold server's first call is slow)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
-            if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
-                   for line in metrics.splitlines()):
-                time.sleep(0.2)
-                break
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
+    sent, send = [], server.request
 
-    killer = threading.Thread(target=kill_while_decoding)
-    killer.start()
-    with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
-        after = vllm.generate(greedy + seeded)
-    killer.join()
+    def send_last_after_the_kill(method, path, body=None, **kwargs):  # type: ignore[no-untyped-def]
+        """The call's last request is sent only once the server is killed, so the kill lands inside the call
+        (a kill from a thread of its own came after a quick call had returned, once in a CI run); it waits for the
+        server to say it runs the others first (up to 120 s: a cold server's first call is slow)."""
+        if path == vllm.generate_path and server.process.pid == pid:
+            sent.append(path)
+            if len(sent) == len(greedy + seeded):
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
+                    if any(line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
+                           for line in metrics.splitlines()):
+                        break
+                    time.sleep(0.02)
+                os.kill(pid, signal.SIGKILL)
+        return send(method, path, body, **kwargs)
+
+    server.request = send_last_after_the_kill  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+            after = vllm.generate(greedy + seeded)
+    finally:
+        del server.request  # the class's again
     assert server.process.pid != pid and vllm.recoveries["server_restarts"] == restarts + 1
     assert f"vLLM server at {server.url} (pid {pid}): it exited with status -9" in caplog.text
     assert f"with weights version {version}" in caplog.text
