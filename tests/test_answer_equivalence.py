@@ -101,6 +101,29 @@ SAME = [  # (answer the model boxed, reference)
     ("5\\text{ thousand dollars}", "5000\\text{ dollars}"),
     ("5\\text{ hundred thousand}", "500,000"),  # every leading scale word is a factor
     ("5\\text{ thousandths}", "0.005"),
+    ("5\\text{ dozen}", "60"),  # a dozen is 12 (was a unit: 5)
+    # units: the trailing \\text{} / \\mathrm{} words that name units of measure or money (docs/evaluation.md)
+    ("2\\mathrm{m}", "2"),
+    ("12\\text{ square units}", "12"),
+    ("3\\text{ hours}", "3"),
+    ("60\\text{ miles per hour}", "60"),
+    ("4.5\\text{ cm}^2", "4.5"),
+    ("20\\text{ cm}^{2}", "20\\text{ cm}^2"),
+    ("2\\mathrm{x}", "2x"),  # an upright x is still x
+    ("3\\mathrm{i}", "3i"),
+    # mixed numbers (as math-verify reads them), when nothing multiplies them
+    ("2\\frac{1}{2}", "\\frac{5}{2}"),
+    ("2\\frac{1}{2}", "2.5"),
+    ("-3\\frac{1}{4}", "-\\frac{13}{4}"),
+    ("6\\frac14", "6.25"),
+    ("1\\frac{1}{2} + 2\\frac{1}{3}", "\\frac{23}{6}"),
+    ("3 \\cdot 2\\frac{1}{2}", "7.5"),
+    ("4\\tfrac{2}{3}\\text{ cups}", "\\frac{14}{3}"),
+    # a negative number to a power p/q with q odd is real, as its odd root is
+    ("(-8)^{1/3}", "-2"),
+    ("(-8)^{\\frac{2}{3}}", "4"),
+    ("(-27)^{-1/3}", "-\\frac{1}{3}"),
+    ("(-2)^{1/3}", "\\sqrt[3]{-2}"),
     # formatting: \textnormal units, \cfrac, x \in, named lists, "and"
     ("125\\textnormal{ miles}", "125"),
     ("\\cfrac{1}{3}", "1/3"),
@@ -134,7 +157,13 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("0.333", "\\frac{1}{3}"),
     ("\\pi", "3.14159"),
     ("25", "0.25"),  # neither a percentage
-    ("2\\frac{1}{2}", "\\frac{5}{2}"),  # a mixed number (or 2 times 1/2?) is refused, not guessed
+    ("2\\frac{1}{2}", "1"),  # a mixed number is no product
+    ("2\\frac{1}{2}x", "x"),  # 2 times x/2, or 5x/2? refused, not guessed
+    ("2\\frac{1}{2}x", "\\frac{5}{2}x"),
+    ("2\\frac{1}{2}\\pi", "\\pi"),
+    ("2\\frac{3}{2}", "\\frac{7}{2}"),  # no proper fraction: no mixed number
+    ("2\\frac{3}{2}", "3"),
+    ("2\\frac{1}{2}^2", "\\frac{25}{4}"),  # 2 (1/2)^2 as typeset
     ("2^10", "1024"),  # LaTeX typesets 2^1 0
     ("(1, 2)", "(2, 1)"),  # a tuple is ordered
     ("[0, 1)", "[0, 1]"),  # an open end is not a closed one
@@ -197,6 +226,20 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("5\\text{ thousand dollars}", "5\\text{ dollars}"),
     ("5\\text{ hundred thousand}", "500"),  # was 500 of a unit "thousand"
     ("5\\text{ thousandths}", "5"),  # was 5 of a unit "thousandths"
+    ("5\\text{ dozen}", "5"),  # was 5 of a unit "dozen"
+    ("5\\text{ dozen}", "12"),
+    ("5\\text{ thousands place}", "5000"),  # a place value: the digit 5 or 5000? refused
+    ("5\\text{ thousands place}", "5"),
+    ("3\\text{ tens}", "3"),
+    ("2\\mathrm{x}", "2"),  # a variable is no unit (was stripped as one)
+    ("2\\text{x}", "2"),
+    ("2\\text{ x}", "2"),
+    ("7\\mathrm{n}", "7"),
+    ("3\\mathrm{i}", "3"),
+    ("2\\text{ halves}", "2"),
+    ("4\\text{ cm}^2", "4\\text{ cm}"),  # an area is not a length
+    ("(-8)^{1/3}", "1 + \\sqrt{3}i"),  # the real root, not sympy's principal one
+    ("(-8)^{1/3}", "2"),
     ("x \\in [-2, 7]", "[-2, 7)"),
     ("6 \\text{ and } 8", "6"),
     ("f(x) = 2x + 1", "2x - 1"),
@@ -308,7 +351,9 @@ def test_a_reply_looping_through_thousands_of_boxes_is_scored_at_once() -> None:
 
 
 def test_what_the_translation_refuses() -> None:
-    for text in ("2\\frac{1}{2}", "1 2", "x > 3", "\\begin{vmatrix}1\\end{vmatrix}", "a = b = c", "1/0", "0^{-1}",
+    for text in ("2\\frac{1}{2}x", "2\\frac{1}{2}\\pi", "2\\frac{1}{2}^2", "2\\frac{3}{2}", "x 2\\frac{1}{2}",
+                 "2.5\\frac{1}{2}", "2\\frac{x}{2}", "5\\text{ thousands place}", "2\\text{ halves}",
+                 "1 2", "x > 3", "\\begin{vmatrix}1\\end{vmatrix}", "a = b = c", "1/0", "0^{-1}",
                  "x" * (MAX_CHARS + 1), "5!!", "x != 3", "(-1)!", "(\\frac{1}{2})!", f"{MAX_FACTORIAL + 1}!",
                  f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}"):
         assert parse_answer(text) is None, text

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
-from spade_mega.evaluation.symbolic import latex_symbols, scale_word, unwrap
+from spade_mega.evaluation.symbolic import latex_symbols, trailing_unit, unwrap
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
@@ -55,8 +55,6 @@ MAX_ANSWERS = 8  # different boxed answers compared with each other; beyond, the
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
-_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")  # "5\text{ cm}"
-_CONSTANTS = ("e", "i")  # 3\mathrm{i} is a number of its own, not 3 of a unit
 _VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
 _SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
@@ -185,19 +183,17 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
     the letter of a leading ``x=`` or "")."""
     if _LIST_COMMA.search(answer):
         return None
-    unit = _UNIT.search(answer)
-    if unit is not None and scale_word(unit.group(1).split()[0]):
-        return None  # 5\text{ thousand} is no 5 in thousands: symbolic.py reads the factor
-    if unit is not None and (unit.start() == 0 or unit.group(1) in _CONSTANTS):
-        unit = None
-    text = answer[:unit.start()] if unit is not None else answer
+    unit = trailing_unit(answer)  # 5\text{ cm}; not 2\mathrm{x}, which stays in the text (no number)
+    text = answer[:unit.start] if unit is not None else answer
     text = normalise(text.replace("\\$", ""))
     variable = text[0] if _VARIABLE.match(text) else ""
     text = _VARIABLE.sub("", text)
     for suffix in _SUFFIXES:
         text = text.removesuffix(suffix)
     value = as_number(text)
-    return None if value is None else (value, unit.group(1) if unit is not None else "", variable)
+    if value is None:
+        return None
+    return (value, "", variable) if unit is None else (value * unit.factor, unit.name, variable)  # 5 thousand: 5000
 
 
 def _same_maths(predicted: str, reference: str) -> bool:

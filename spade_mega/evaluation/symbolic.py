@@ -6,8 +6,10 @@ caller then compares text).
 Translated: integers and decimals (exact rationals), repeating decimals (``0.1\\overline{6}`` is 1/6; ``\\bar``
 too), ``+ - * /``, ``\\cdot``, ``\\times``, ``\\div``, implicit multiplication (``2\\sqrt{2}``, ``3\\pi``, ``2x``,
 ``4(x+1)``), ``^`` (``2^{10}``; a bare ``^`` takes one character, as in LaTeX), ``\\frac`` / ``\\dfrac`` /
-``\\tfrac`` / ``\\cfrac`` (``\\frac12`` too), ``\\sqrt{x}``, ``\\sqrt[n]{x}`` (for an odd n, of a negative number,
-the real root: ``\\sqrt[3]{-8}`` is -2; of an expression, sympy's principal root), ``n!`` and ``\\binom{n}{k}``
+``\\tfrac`` / ``\\cfrac`` (``\\frac12`` too), a mixed number ``2\\frac{1}{2}`` (5/2, as math-verify reads it; only an
+integer and a proper fraction of integers that nothing multiplies or raises: ``2\\frac{1}{2}x`` is refused),
+``\\sqrt{x}``, ``\\sqrt[n]{x}`` and ``x^{p/q}`` (for an odd q, of a negative number, the real value: ``\\sqrt[3]{-8}``
+and ``(-8)^{1/3}`` are -2; of an expression, sympy's principal root), ``n!`` and ``\\binom{n}{k}``
 (``\\dbinom``, ``\\tbinom``, ``{n \\choose k}``) of natural numbers up to ``MAX_FACTORIAL`` or of expressions in
 variables, ``\\pi``, ``e``, ``i`` (the imaginary unit), ``\\infty``, ``|x|``, ``\\sin`` ... ``\\ln``, ``\\log_b``
 and ``\\log`` (base 10, as math-verify and Qwen2.5-Math's grader, through latex2sympy, read it; ``\\ln`` is the
@@ -21,21 +23,23 @@ sign and ``\\mp`` the other; in a list, its two values are two entries), a union
 ``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is
 ``x = 3``, ``y = x`` is ``x = y``, but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value,
 ``x - 3 = 0`` is not ``3``), a trailing percent sign (a percentage equals its number with or without the sign, and
-its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}``
-(two different units never match; a scale word is a factor, not a unit: ``5\\text{ thousand}`` is 5000, never 5).
+its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in
+``\\text{}`` / ``\\mathrm{}`` (words of ``_UNIT_WORDS`` only, ``^2`` / ``^3`` part of the unit; two different units
+never match; a letter that names no unit is a variable, ``2\\mathrm{x}`` is 2x; a scale word is a factor, not a
+unit: ``5\\text{ thousand}`` is 5000, ``5\\text{ dozen}`` 60, never 5).
 
-Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams
-equal), a mixed number ``2\\frac{1}{2}`` (2 times 1/2 or 5/2?), two numbers side by side, ``\\pm`` in a tuple
-(``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``, determinants
-(``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS`` entries
-(matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
+Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams equal;
+other trailing words, ``5\\text{ thousands place}``: a place value), a mixed number that something multiplies
+(``2\\frac{1}{2}x``: 2 x/2 or 5x/2?) or with an improper fraction (``2\\frac{3}{2}``), two numbers side by side,
+``\\pm`` in a tuple (``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``,
+determinants (``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS``
+entries (matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
 (``9^{9^{9^9}}``, and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a
-trigonometric function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS``
-digits, a factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an
-expression) and functions, roots or non-integer powers nested over ``MAX_NESTING`` deep
-(``\\log(\\log(\\log(\\log 5)))``: evalf's time grows tenfold and more a level): sympy evaluates powers, roots and
-factorials of rationals as it builds them, so the size is checked before; that is the bound on sympy's work (no
-timer: the same answers always give the same verdict).
+trigonometric function of a number of over ``MAX_DIGITS`` digits, a root of a number of over ``MAX_ROOT_DIGITS`` digits,
+a factorial or binomial of more than ``MAX_FACTORIAL`` (at the identity test's points, for an expression) and functions,
+roots or non-integer powers nested over ``MAX_NESTING`` deep (``\\log(\\log(\\log(\\log 5)))``: evalf's time grows
+tenfold and more a level): sympy evaluates powers, roots and factorials of rationals as it builds them, so the size is
+checked before; that is the bound on sympy's work (no timer: the same answers always give the same verdict).
 
 Comparison: equal when sympy's canonical form of the difference is 0, or, when it is no rational number (a rational
 non-zero difference is exact: ``1.414`` is not ``\\sqrt{2}``), when both sides evaluate to the same value to
@@ -51,6 +55,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any, Optional, Sequence
 
 MAX_CHARS = 256  # AIME / MATH answers are far shorter; a longer "answer" is compared as text
@@ -87,7 +92,21 @@ _VARIABLE = re.compile(r"^(?P<name>[A-Za-z](?:\^\{-1\}|\^-1)?(?:\s*\(\s*\w(?:\s*
 # a vector or matrix (not vmatrix: a determinant), its rows split at \\, its entries at &
 _MATRIX = re.compile(r"\\begin\s*\{([pb]?matrix)\}(.*)\\end\s*\{\1\}", re.DOTALL)
 _SIGN_CHOICE = re.compile(r"\\(pm|mp)(?![A-Za-z])")  # 1 \pm \sqrt{2}: two values (not \pmod)
-_SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}  # 5\text{ million}: a factor
+# 5\text{ million}, 5\text{ dozen}: a factor, never a unit
+_SCALES = {"dozen": 12, "hundred": 10 ** 2, "thousand": 10 ** 3, "million": 10 ** 6, "billion": 10 ** 9,
+           "trillion": 10 ** 12}
+# the words of a unit of measure or money (and "units", and a few count nouns that never change a value), singular:
+# a trailing \text{} / \mathrm{} of them is formatting, 5\text{ cm} is 5 (MATH's answers drop it); a plural adds s or
+# es; letters of one or two are matched in their case (m, L, mL), longer words in any. Any other trailing text is no
+# unit: a letter is a variable (2\mathrm{x} is 2x, never 2), another word is refused (a place value, 5\text{ thousands
+# place}: the digit 5 or 5000?; 2\text{ halves})
+_UNIT_WORDS = frozenset((
+    "m cm mm km in ft yd mi meter metre centimeter centimetre millimeter millimetre kilometer kilometre inch foot "
+    "feet yard mile g mg kg lb oz gram milligram kilogram pound ounce ton tonne s ms h hr min sec second minute hour "
+    "day week month year yr decade L l ml mL liter litre milliliter millilitre gallon gal quart pint cup acre "
+    "hectare mph kph dollar cent euro rupee yen degree deg radian rad celsius fahrenheit kelvin unit way people "
+    "person student").split())
+_UNIT_JOINERS = ("square", "sq", "cubic", "per")  # square feet, miles per hour
 
 
 class Refused(Exception):
@@ -216,7 +235,7 @@ class _Parser:
         if self.peek() == "+":
             self.take()
             return self.unary()
-        return self.power()
+        return self.power(first=True)
 
     @staticmethod
     def _starts_atom(token: Optional[str]) -> bool:
@@ -224,8 +243,10 @@ class _Parser:
                                       or (token.startswith("\\") and token[1:].isalpha()
                                           and token not in _NOT_ATOMS))
 
-    def power(self) -> Any:
-        value = self.atom()
+    def power(self, first: bool = False) -> Any:
+        """``first``: the first factor of a product, where a mixed number may stand (not ``x 2\\frac{1}{2}``)."""
+        value = self.mixed_number() if first else None
+        value = self.atom() if value is None else value
         while self.peek() == "!":  # n!, (n+1)!; 5!! (a double factorial) is refused, not read as (5!)!
             self.take()
             if self.peek() == "!":
@@ -235,6 +256,28 @@ class _Parser:
             self.take()
             value = _power(self.sp, value, self.exponent())
         return value
+
+    def mixed_number(self) -> Any:
+        """``2\\frac{1}{2}`` (or ``2\\frac12``) as 5/2, as math-verify reads it, when unambiguous: an integer, a proper
+        fraction of integers, and nothing after them that would multiply or raise the fraction alone
+        (``2\\frac{1}{2}x``: 2 times x/2, or 5x/2?; ``2\\frac{1}{2}^2``); None otherwise (the term's side-by-side rule
+        then refuses it)."""
+        whole, rest = self.peek(), self.tokens[self.at + 1:self.at + 8]
+        if whole is None or not whole.isdigit() or rest[:1] != ["\\frac"]:
+            return None
+        if rest[1:2] == ["{"] and rest[3:5] == ["}", "{"] and rest[6:7] == ["}"]:
+            numerator, denominator, after = rest[2], rest[5], self.at + 8
+        elif len(rest) > 1 and len(rest[1]) == 2:  # \frac12
+            numerator, denominator, after = rest[1][0], rest[1][1], self.at + 3
+        else:
+            return None
+        if not (numerator.isdigit() and denominator.isdigit() and 0 < int(numerator) < int(denominator)):
+            return None
+        following = self.tokens[after] if after < len(self.tokens) else None
+        if following in ("^", "!", "_") or (self._starts_atom(following) and not (following == "|" and self.bars)):
+            return None
+        self.at = after
+        return self.sp.Integer(whole) + self.sp.Rational(int(numerator), int(denominator))
 
     def exponent(self) -> Any:
         """``^{...}``, or one character: ``2^10`` is 2^1 followed by 0, as LaTeX typesets it."""
@@ -293,10 +336,7 @@ class _Parser:
             degree = None
             if self.peek() == "[":
                 degree = self.group("[", "]")
-            radicand = self.argument()
-            if degree is not None and degree.is_Integer and degree % 2 == 1 and radicand.is_number \
-                    and radicand.is_extended_negative:  # the real root: \sqrt[3]{-8} is -2, not sympy's principal root
-                return -_power(sp, -radicand, 1 / degree)
+            radicand = self.argument()  # \sqrt[3]{-8} is -2 (_power: the real odd root)
             return _power(sp, radicand, sp.Rational(1, 2) if degree is None else 1 / _nonzero(degree))
         if token in _BINOMIALS:
             return _combination(sp, self.argument(), self.argument())
@@ -426,6 +466,9 @@ def _power(sympy: Any, base: Any, exponent: Any) -> Any:
     exponent's size times the base's digits (at least 1), at the identity test's points."""
     if base == 0 and exponent.is_number and exponent.is_negative:
         raise Refused("division by zero")
+    if exponent.is_Rational and exponent.q % 2 == 1 and not exponent.is_Integer and base.is_number and \
+            base.is_extended_negative:  # the real value: (-8)^{1/3} is -2, (-8)^{2/3} 4, not sympy's principal root
+        return (-1) ** exponent.p * _power(sympy, -base, exponent)
     if exponent.is_Rational and base not in (0, 1, -1):
         size = max(1.0, sum(_digits(r) for r in base.atoms(sympy.Rational)))
         if abs(float(exponent)) * size > MAX_DIGITS:
@@ -488,20 +531,57 @@ class Answer:
     variable: str = ""
 
 
-_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}[\s.$]*$")
-_CONSTANTS = ("e", "i")
+# a trailing \text{ cm}, \mathrm{m}, with a square or cube: \text{ cm}^2
+_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}"
+                   r"(?:\s*\^\s*(?:\{\s*([23])\s*\}|([23])))?[\s.$]*$")
 # words: a text wrapper holding two letters in a row, or three letters in a row outside a command (\\sqrt, \\pi)
 _WORDS = re.compile(r"\\(?:text\w*|mbox|mathrm|mathbf|operatorname)\s*\{[^{}]*[A-Za-z]{2}|(?<![\\A-Za-z])[A-Za-z]{3}")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _AND = re.compile(r",?\s*(?:\\text\s*\{\s*and\s*\}|\band\b)\s*")  # "6 \text{ and } 8" lists 6, 8
 
 
-def scale_word(word: str) -> int:
-    """The power of ten a scale word multiplies by (``thousand``, ``Millions``: 3, 6; ``thousandths``: -3), else 0."""
+def scale_factor(word: str) -> Optional[Fraction]:
+    """The number a scale word multiplies by (``thousand``, ``Millions``, ``dozen``: 1000, 10^6, 12;
+    ``thousandths``: 1/1000), else None."""
     word = word.lower().removesuffix("s")
-    if word.endswith("th") and word[:-2] in _SCALES:
-        return -_SCALES[word[:-2]]
-    return _SCALES.get(word, 0)
+    if word.endswith("th") and word[:-2] in _SCALES and word[:-2] != "dozen":  # no "dozenths"
+        return Fraction(1, _SCALES[word[:-2]])
+    return Fraction(_SCALES[word]) if word in _SCALES else None
+
+
+def _unit_word(word: str) -> bool:
+    """Whether ``word`` names a unit (``_UNIT_WORDS``), in the singular or plural."""
+    forms = (word, word.lower()) if len(word) > 2 else (word,)
+    return any(form in _UNIT_WORDS or (form.endswith("s") and form[:-1] in _UNIT_WORDS) or
+               (form.endswith("es") and form[:-2] in _UNIT_WORDS) for form in forms)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The trailing unit of an answer: where its wrapper starts, the factor of its leading scale words (``5\\text{
+    thousand dollars}``: 1000), and its name (``dollars``; ``cm^2``; "" for scale words alone)."""
+
+    start: int
+    factor: Fraction
+    name: str
+
+
+def trailing_unit(answer: str) -> Optional[Unit]:
+    """The unit that ends ``answer`` after a value (``5\\text{ cm}``, ``5\\text{ hundred thousand}``, ``4\\text{
+    cm}^2``); None when it ends in none, or in a wrapper whose words are no unit (``2\\mathrm{x}``, ``5\\text{
+    thousands place}``): that text is then part of the value (a variable, or refused as words)."""
+    found = _UNIT.search(answer)
+    if found is None or found.start() == 0:
+        return None
+    words, factor = found.group(1).split(), Fraction(1)
+    while words and (scale := scale_factor(words[0])) is not None:  # 5 hundred thousand: 5 10^5
+        factor *= scale
+        words.pop(0)
+    power = found.group(2) or found.group(3)
+    if words and not (_unit_word(words[-1]) and all(_unit_word(w) or w in _UNIT_JOINERS for w in words)) or \
+            (power and not words):
+        return None
+    return Unit(found.start(), factor, " ".join(words) + (f"^{power}" if power else ""))
 
 
 def parse_answer(answer: str) -> Optional[Answer]:
@@ -517,22 +597,18 @@ def parse_answer(answer: str) -> Optional[Answer]:
 def _answer(raw: str, top: bool = False) -> Answer:
     """``raw`` without its trailing unit parsed (``_structure``), the unit set on it; the leading scale words of the
     unit (``5\\text{ million}``, ``5\\text{ thousand dollars}``, ``5\\text{ hundred thousand}``, ``5\\text{
-    thousandths}``) are factors, never dropped: 5 thousand is not 5."""
-    unit, scales = "", []
-    found = _UNIT.search(raw)
-    if found is not None and found.start() > 0 and found.group(1) not in _CONSTANTS:
-        words = found.group(1).split()
-        while words and scale_word(words[0]):  # 5 hundred thousand: 5 10^5 (not 500 of a unit "thousand")
-            scales.append(scale_word(words.pop(0)))
-        unit, raw = " ".join(words), raw[:found.start()]
-    answer = _structure(raw, top)
-    if scales:
+    thousandths}``, ``5\\text{ dozen}``) are factors, never dropped: 5 thousand is not 5."""
+    unit = trailing_unit(raw)
+    answer = _structure(raw if unit is None else raw[:unit.start], top)
+    if unit is None:
+        return answer
+    if unit.factor != 1:
         import sympy
 
         if answer.kind != "expr":
             raise Refused("a scale word after a list or an equation")
-        answer = replace(answer, value=answer.value * sympy.Integer(10) ** sum(scales))
-    return replace(answer, unit=answer.unit or unit)
+        answer = replace(answer, value=answer.value * sympy.Rational(unit.factor.numerator, unit.factor.denominator))
+    return replace(answer, unit=answer.unit or unit.name)
 
 
 def _structure(raw: str, top: bool) -> Answer:
