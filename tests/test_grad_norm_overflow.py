@@ -51,7 +51,29 @@ def run_schedule(micro_batches, loss_fn, forward_only):
 
 
 trainer._run_schedule = run_schedule
-step = lambda advantage: trainer.train_step(train_samples(trajectories, torch.tensor([advantage, -advantage])))
+# passes over the gradients per step: the main-gradient copy of each chained optimizer, and the global norm
+passes = {"prepare_grads": [], "get_grad_norm": []}
+
+
+def counted(owner, name, key):
+    method = getattr(owner, name)
+    def call(*args, **kwargs):
+        passes[key][-1] += 1
+        return method(*args, **kwargs)
+    setattr(owner, name, call)
+
+
+for sub in trainer.optimizer.chained_optimizers:
+    counted(sub, "prepare_grads", "prepare_grads")
+counted(trainer.optimizer, "get_grad_norm", "get_grad_norm")
+
+
+def step(advantage):
+    for calls in passes.values():
+        calls.append(0)
+    return trainer.train_step(train_samples(trajectories, torch.tensor([advantage, -advantage])))
+
+
 first = step(1.0)
 before, moments_before, lr_before = weights(), moments(), trainer.optimizer.param_groups[0]["lr"]
 big = step(float(sys.argv[3]))
@@ -64,21 +86,32 @@ json.dump({"first_updated": first.updated, "updated": big.updated, "grad_norm": 
            "weights_kept": torch.equal(before, after), "moments_kept": torch.equal(moments_before, moments_after),
            "lr_kept": lr_before == lr_after, "next_updated": following.updated,
            "next_moved": not torch.equal(after, weights()), "next_finite": bool(torch.isfinite(weights()).all()),
-           "second_moments_finite": bool(torch.isfinite(moments("exp_avg_sq")).all())},
+           "second_moments_finite": bool(torch.isfinite(moments("exp_avg_sq")).all()),
+           "optimizers": len(trainer.optimizer.chained_optimizers), "passes": passes},
           open(sys.argv[2], "w"))
 """
+
+
+_RESULTS: dict[tuple[str, str], dict] = {}
+
+
+def _run(tmp_path: Path, advantage: str, clip_grad: str) -> dict:
+    """SCRIPT's result for one case, run once per case for the tests that read it."""
+    if (advantage, clip_grad) not in _RESULTS:
+        out = tmp_path / "result.json"
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TINY), str(out), advantage,
+                               f"optimizer.clip_grad={clip_grad}"], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _RESULTS[advantage, clip_grad] = json.loads(out.read_text())
+    return _RESULTS[advantage, clip_grad]
 
 
 @pytest.mark.parametrize("advantage, clip_grad", [("1e20", "1.0"), ("1e23", "0")], ids=["clipped", "unclipped"])
 def test_finite_gradients_whose_norm_overflows_skip_the_step(tmp_path: Path, advantage: str, clip_grad: str) -> None:
     """Unclipped (optimizer.clip_grad 0) the step was taken too: updated, grad_norm inf, and thousands of Adam second
     moments inf."""
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(TINY), str(out), advantage,
-                           f"optimizer.clip_grad={clip_grad}"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = _run(tmp_path, advantage, clip_grad)
     assert result["first_updated"]
     # the step's gradients: finite, their float32 norm not (the case the element-wise check let through)
     assert result["grads_finite"] and 0 < result["grads_max"] < 3e38 and result["grads_norm32"] == "inf", result
@@ -86,3 +119,13 @@ def test_finite_gradients_whose_norm_overflows_skip_the_step(tmp_path: Path, adv
     assert result["weights_kept"] and result["moments_kept"] and result["lr_kept"], result  # all moved before
     assert result["next_updated"] and result["next_moved"] and result["next_finite"], result
     assert result["second_moments_finite"], result  # no weight frozen by a second moment of inf
+
+
+@pytest.mark.parametrize("advantage, clip_grad", [("1e20", "1.0"), ("1e23", "0")], ids=["clipped", "unclipped"])
+def test_each_step_copies_and_norms_the_gradients_once(tmp_path: Path, advantage: str, clip_grad: str) -> None:
+    """The overflow check reads the norm Megatron's step computes: each chained optimizer copies its main gradients
+    once per step (prepare_grads) and the global norm is taken once (get_grad_norm), in the updated steps and the
+    skipped one alike. Before, the trainer asked both once more ahead of optimizer.step(): 2 of each per step."""
+    result = _run(tmp_path, advantage, clip_grad)
+    copies = [result["optimizers"]] * 3  # one per chained optimizer (experts have their own under EP)
+    assert result["passes"] == {"prepare_grads": copies, "get_grad_norm": [1, 1, 1]}, result["passes"]

@@ -38,6 +38,7 @@ import re
 import sys
 import types
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -745,3 +746,19 @@ def moe_load_balancing_loss(num_layers: int, num_micro_batches: int) -> Optional
         get_moe_metrics_tracker().report(**kwargs)
     value = totals.get("load_balancing_loss")
     return None if value is None else float(value)
+
+
+def norm_overflow_skip() -> dict[str, float]:
+    """``OptimizerConfig`` arguments under which Megatron's own step skips an update whose global gradient norm is
+    inf (finite gradients overflow a float32 norm from ~1.8e19), judged on the norm its step computes anyway: one
+    prepare_grads (the main-gradient copy) and one norm pass per step, none asked again beforehand.
+
+    megatron-core 0.19 (pinned) has ``grad_norm_skip_threshold``: ChainedOptimizer.step (what get_megatron_optimizer
+    always builds) compares its norm with it after prepare_grads and get_grad_norm and then skips
+    step_with_ready_grads; only inf exceeds the largest finite float32. 0.16 lacks it: {} (the trainer then asks the
+    norm itself before the step, one more pass)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    if "grad_norm_skip_threshold" not in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        return {}
+    return {"grad_norm_skip_threshold": float(torch.finfo(torch.float32).max)}

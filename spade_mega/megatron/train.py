@@ -101,11 +101,13 @@ class Trainer:
         self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk,
                                               disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
         self.config.finalize_model_grads_func = finalize_model_grads
+        overflow_skip = compat.norm_overflow_skip()
+        self._optimizer_skips_overflow = bool(overflow_skip)  # else _norm_finite asks before the step
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
                             adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
                             clip_grad=opt.clip_grad, use_distributed_optimizer=opt.distributed,
-                            bf16=self.config.bf16, params_dtype=self.config.params_dtype),
+                            bf16=self.config.bf16, params_dtype=self.config.params_dtype, **overflow_skip),
             self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
         horizon = max(total_steps or cfg.selfplay.num_rollouts, opt.warmup_steps + 1)
@@ -298,10 +300,10 @@ class Trainer:
         if self.model_cfg.num_experts:
             compat.reset_moe_metrics()  # process-global: another model may have sized or filled it
         self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        updated, grad_norm = False, None  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)
         if self._gradients_finite():
-            updated, grad_norm, _ = self.optimizer.step()
-        else:  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)
-            updated, grad_norm = False, None
+            updated, grad_norm, _ = self.optimizer.step()  # itself skips a norm overflow (norm_overflow_skip)
+            grad_norm = grad_norm if updated else None
         if updated:
             self.scheduler.step(increment=1)
         self.step += 1
@@ -329,11 +331,12 @@ class Trainer:
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient of this step is finite, and their global norm too, on every rank (the same answer
-        everywhere). Megatron's optimizers skip a step only under an fp16 loss scaler; in fp32 and bf16 they would
-        apply a NaN or inf gradient and write NaN into every weight. One inf-norm reduction per grad buffer (reduced
-        gradients, in fp32), no copy of it; NaN propagates through it."""
-        return self._elements_finite() and self._norm_finite()
+        """Whether every gradient of this step is finite, and (where Megatron's step does not judge it itself,
+        :func:`compat.norm_overflow_skip`) their global norm too, on every rank (the same answer everywhere).
+        Megatron's optimizers skip a step only under an fp16 loss scaler; in fp32 and bf16 they would apply a NaN or
+        inf gradient and write NaN into every weight. One inf-norm reduction per grad buffer (reduced gradients, in
+        fp32), no copy of it; NaN propagates through it."""
+        return self._elements_finite() and (self._optimizer_skips_overflow or self._norm_finite())
 
     def _norm_finite(self) -> bool:
         """Whether the global gradient norm is finite. Finite gradients overflow it in float32 (from ~1.8e19). With
@@ -342,7 +345,8 @@ class Trainer:
         Adam squares the largest gradients into second moments of inf, which freeze those weights for the rest of
         the run (their update is 0 from then on). The norm is Megatron's own (get_grad_norm, the same on every rank)
         of the main gradients that prepare_grads copies in; step() copies them again (idempotent without an fp16
-        loss scaler, which no config builds) and recomputes it: one more pass over the gradients per step."""
+        loss scaler, which no config builds) and recomputes it: one more pass over the gradients per step, taken only
+        on a megatron-core without ``grad_norm_skip_threshold`` (0.16)."""
         self.optimizer.prepare_grads()
         return math.isfinite(float(self.optimizer.get_grad_norm()))
 
