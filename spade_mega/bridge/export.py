@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from spade_mega.bridge.mapping import BridgeError, Rule, global_name, weight_table
+from spade_mega.inference.base import WeightStream
 
 if TYPE_CHECKING:
     from spade_mega.megatron.train import Trainer
@@ -116,9 +117,10 @@ def _plan(rules: dict[str, Rule], shards: dict[str, Shard]) -> dict[str, _Planne
     return plan
 
 
-def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator[Bucket]:
+def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> WeightStream:
     """The model's weights as Hugging Face tensors in buckets of at most ``bucket_mb`` MiB (default
-    ``bridge.bucket_mb``), yielded on global rank 0; other ranks yield nothing. Collective: every rank calls it and
+    ``bridge.bucket_mb``), yielded on global rank 0; other ranks yield nothing. Its ``manifest`` names every
+    weight with its shape, on every rank, before the transfer starts. Collective: every rank calls it and
     iterates the result to the end.
 
     What can be checked before the transfer (the bucket limit, the parameters against the table, the joined shapes)
@@ -139,7 +141,9 @@ def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> Iterator
     except BridgeError as exc:
         message = str(exc)
     agree(message)
-    return _stream(trainer, rules, shards, _plan(rules, shards), limit)
+    plan = _plan(rules, shards)
+    manifest = tuple((hf, tuple(shape)) for name in plan for hf, shape in zip(rules[name].hf, rules[name].shapes))
+    return WeightStream(manifest, _stream(trainer, rules, shards, plan, limit))
 
 
 def _stream(trainer: "Trainer", rules: dict[str, Rule], shards: dict[str, Shard], plan: dict[str, _Planned],

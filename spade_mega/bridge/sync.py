@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from spade_mega.bridge.export import SOURCE, Bucket, export_hf
 from spade_mega.bridge.mapping import BridgeError
+from spade_mega.inference.base import WeightStream
 
 if TYPE_CHECKING:
     from spade_mega.inference.base import Engine
@@ -50,7 +51,8 @@ def sync_weights(trainer: "Trainer", engine: Optional["Engine"], version: int, *
             counts[2] += 1
             yield bucket
 
-    buckets = counted(export_hf(trainer, bucket_mb))
+    stream = export_hf(trainer, bucket_mb)
+    buckets = WeightStream(stream.manifest, counted(iter(stream)))
     failure: Optional[BaseException] = None
     if dist.get_rank() == SOURCE:
         try:

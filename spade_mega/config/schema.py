@@ -172,6 +172,10 @@ class InferenceConfig:
     request_timeout_s: float = 600.0  # one completion, or one weight reload
     concurrency: int = 64  # requests in flight per server (the server batches them)
     weight_sync_dir: Optional[str] = None  # where updates are staged for the servers to load; None: /dev/shm
+    # how weight updates reach the servers: folder (staged safetensors the servers reload: the model's size in RAM,
+    # written and read once per update) or collective (vllm only: each bucket broadcast over a process group
+    # straight into the servers' workers, gloo without CUDA, NCCL on GPU; see docs/inference_servers.md)
+    weight_transfer: Literal["folder", "collective"] = "folder"
     # Servers sharing the trainer's GPUs free their weights' and KV cache's memory while the trainer steps and take it
     # back around the weight sync. auto: on for sglang/vllm placed colocated (launch.engine_placement auto too) on a
     # machine with a GPU; they need --enable-memory-saver / --enable-sleep-mode (the launcher and a run that starts

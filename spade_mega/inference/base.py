@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -61,6 +61,19 @@ class Generation:
     logprobs: tuple[float, ...]
     finish_reason: Literal["stop", "length"]
     weight_version: int
+
+
+@dataclass(frozen=True)
+class WeightStream:
+    """Buckets of weights (Hugging Face names, full tensors) with every name and shape they will hold, in order,
+    known before the first bucket is read: an engine that sends as it reads (over a process group) checks the whole
+    update against its model before it sends anything. The bridge's export gives one."""
+
+    manifest: tuple[tuple[str, tuple[int, ...]], ...]
+    buckets: Iterable[Mapping[str, torch.Tensor]]
+
+    def __iter__(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        return iter(self.buckets)
 
 
 @runtime_checkable

