@@ -9,6 +9,12 @@ forward + backward + optimizer, no extra log-prob forward), one warm-up step, th
 Printed against the baseline measured in the same run: the one-process layout (tp1). On CPU the processes share the
 machine's cores, so the ratios show the cost of the parallel machinery (collectives, pipeline bubbles), not a speed-up.
 
+The optimizer's passes over the gradients: a model of more parameters than tokens (4 layers, hidden 512, 8 experts;
+4 samples of 16-32 tokens), so that the per-parameter work after the backward (grad-norm check, main-gradient copy,
+norm, Adam) weighs; one process, its steps alternating between the overflow check of megatron-core 0.16 (and of
+this tree before: prepare_grads and get_grad_norm asked once more before Megatron's step, the baseline) and the one
+Megatron's step makes on its own norm (``grad_norm_skip_threshold``).
+
 With a CUDA GPU it also measures the model FLOPs utilisation (MFU) of a one-layer slice of Qwen3-30B-A3B (the config
 in examples/hf/qwen3_30b_a3b; 128 experts, top-8) on one GPU, against the GPU's dense bf16 peak (``--peak-tflops``,
 known for A100/H100/H200). Without one it says so.
@@ -89,6 +95,36 @@ def qwen3_layer_flops_per_token(model: Any, seq: int) -> float:
     return 3 * (model.num_layers * per_layer + 2 * h * model.vocab_size)
 
 
+# a model whose parameters outweigh its tokens (the optimizer's passes bench): ~30M parameters
+WIDE = ["model.num_layers=4", "model.hidden_size=512", "model.ffn_hidden_size=1024", "model.num_attention_heads=8",
+        "model.num_query_groups=4", "model.kv_channels=64", "model.num_experts=8", "model.moe_ffn_hidden_size=512"]
+
+
+def optimizer_passes(trainer: Any, batch: list, rounds: int) -> dict[str, float]:
+    """Mean CPU seconds of a step with the norm asked before the step (two passes) and left to Megatron's step
+    (one), the two alternating step by step after a warm-up of each; and the pass removed alone (prepare_grads and
+    get_grad_norm over the last step's gradients, median of 11): the gain to expect, which noise can hide."""
+    import torch.distributed as dist
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(2 * (rounds + 1)):
+        one_pass = k % 2 == 1
+        trainer._optimizer_skips_overflow = one_pass
+        dist.barrier()
+        start = time.process_time()  # CPU seconds of the process: the machine may be shared
+        trainer.train_step(batch)
+        if k >= 2:
+            times[one_pass].append(time.process_time() - start)
+    removed = []
+    for _ in range(11):
+        start = time.process_time()
+        trainer.optimizer.prepare_grads()
+        trainer.optimizer.get_grad_norm()
+        removed.append(time.process_time() - start)
+    return {"two_pass_s": sum(times[False]) / rounds, "one_pass_s": sum(times[True]) / rounds,
+            "removed_pass_s": sorted(removed)[5]}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -109,6 +145,11 @@ def worker(args: argparse.Namespace) -> None:
     cfg.check()
     trainer = Trainer(cfg)
     batch = synthetic_batch(args.samples, trainer.model_cfg.vocab_size, args.max_len)
+    if args.passes:
+        if not trainer._optimizer_skips_overflow:
+            raise SystemExit("this megatron-core has no grad_norm_skip_threshold: its step is always two passes")
+        print("RESULT " + json.dumps(optimizer_passes(trainer, batch, args.steps)), flush=True)
+        return
     result = measure(trainer, batch, args.steps)
     if args.mfu:
         mean_len = result["tokens"] / len(batch)
@@ -150,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: known for A100/H100/H200)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mfu", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--passes", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_intermixed_args(argv)
     if args.worker:
@@ -183,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         baseline = baseline or r["tokens_per_s"]
         print(f"| {name} | {nproc} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
               f"x{r['tokens_per_s'] / baseline:.2f} | {r['peak_mib']:,.0f} |", flush=True)
+    r = launch(1, ["--passes", "--steps", str(2 * args.steps), "--samples", "4", "--max-len", "32", *WIDE, *impl])
+    print(f"Optimizer passes over the gradients, one process, 4 layers hidden 512 8 experts (~30M parameters), 4 "
+          f"samples of 8-32 tokens, CPU seconds per step, mean of {2 * args.steps} steps each: norm asked before the step (baseline, "
+          f"megatron-core 0.16's path) {r['two_pass_s']:.3f} s, judged by Megatron's step on its own norm "
+          f"{r['one_pass_s']:.3f} s: x{r['two_pass_s'] / r['one_pass_s']:.2f} faster; the pass removed alone "
+          f"{1e3 * r['removed_pass_s']:.1f} ms ({100 * r['removed_pass_s'] / r['two_pass_s']:.1f}% of a step)", flush=True)
     if not torch.cuda.is_available():
         print("MFU of a one-layer Qwen3-30B-A3B slice: not measured, no CUDA GPU on this machine.")
         return 0
