@@ -199,6 +199,11 @@ def test_a_rollout_whose_groups_are_all_flat_takes_no_step_and_a_resume_continue
     assert on[2]["train/steps"] == 0 and "train/loss" not in on[2] and on[2]["agent/trained_episodes"] == 0
     assert [on[r]["train/optimizer_step"] for r in (1, 2, 3)] == [2, 2, 4]
     assert all(not e["trained"] for e in _episodes(runs["filtered"], 2))
+    # rollout 2 changed no weight, so none was sent to the engine again (rollouts 1 and 3 sent theirs): it served
+    # step 2's weights on, under that version, through rollout 3's plays
+    assert "perf/sync_mb_per_s" in on[1] and "perf/sync_mb_per_s" in on[3], on[3]
+    assert "perf/sync_mb_per_s" not in on[2] and on[2]["time/sync_s"] == 0.0, on[2]
+    assert {e["weight_version"] for e in _episodes(runs["filtered"], 3)} == {2}
     store = CheckpointStore(runs["filtered"])
     # rollout 2's checkpoint is the trainer's step 2 again, beside the loop state of rollout 2
     assert [(c.name, store.read_state(c).rollout) for c in sorted(store.root.glob("step_*"))] == \

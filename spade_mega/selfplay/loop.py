@@ -540,14 +540,19 @@ class SelfPlay:
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.store = CheckpointStore(self.run_dir)
         self.on_disk: Optional[int] = None  # the trainer step whose checkpoint this run saved or resumed from last
+        self.served = 0  # the weight version the engine serves: the trainer step of the last update sent to it
 
-    def _steps_estimate(self) -> int:
-        """Optimizer steps of the whole run, for a decaying learning-rate schedule's horizon: every environment's
-        agent plays and one designer sample per slot, per rollout (none with ``selfplay.environments``: no designer)."""
+    def _steps_per_rollout(self) -> int:
+        """Optimizer steps planned per rollout: every environment's agent plays and one designer sample per slot (none
+        with ``selfplay.environments``: no designer)."""
         r, s = self.cfg.rollout, self.cfg.selfplay
         designer = 0 if s.environments else 1
-        per_rollout = math.ceil(r.envs_per_rollout * (r.agent_trajectories_per_env + designer) / s.global_batch_size)
-        return s.num_rollouts * per_rollout
+        return math.ceil(r.envs_per_rollout * (r.agent_trajectories_per_env + designer) / s.global_batch_size)
+
+    def _steps_estimate(self) -> int:
+        """Optimizer steps planned for the whole run: a decaying learning-rate schedule's horizon (_train keeps the
+        schedule on this plan)."""
+        return self.cfg.selfplay.num_rollouts * self._steps_per_rollout()
 
     def _checkpoint_to_resume(self) -> Optional[Path]:
         latest = self.store.latest()
@@ -611,6 +616,7 @@ class SelfPlay:
         if checkpoint is not None and state is not None:
             trainer.load(str(checkpoint))
             self.on_disk = trainer.step
+            self.served = state.policy_version  # the version the interrupted run's engine served these weights as
             start = state.rollout
             if actor is not None:
                 actor.restore(state)
@@ -628,7 +634,9 @@ class SelfPlay:
                             actor.memory.path, discarded["environments"], discarded["evaluations"])
             if transcripts.discard_after(self.run_dir, 0):
                 log.warning("transcripts of an earlier attempt of this run discarded (it saved no checkpoint)")
-        sync_weights(trainer, actor.engine if actor is not None else None, trainer.step)
+        if checkpoint is None:
+            self.served = trainer.step
+        sync_weights(trainer, actor.engine if actor is not None else None, self.served)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
         with RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
@@ -645,9 +653,10 @@ class SelfPlay:
                 train_metrics, updated = self._train(trainer, samples, r)
                 values.update(train_metrics)
                 _from_rank0(lambda: actor.trained(updated), share=False)
-                synced = self._sync(trainer, actor, values)
-                values["time/sync_s"] = synced.seconds
-                values["perf/sync_mb_per_s"] = synced.mb_per_s
+                synced = self._sync(trainer, actor, values, changed=any(updated))
+                values["time/sync_s"] = 0.0 if synced is None else synced.seconds
+                if synced is not None:
+                    values["perf/sync_mb_per_s"] = synced.mb_per_s
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
@@ -686,6 +695,14 @@ class SelfPlay:
         step of the rollout clips against the policy that the rollout started from (PPO's minibatch convention)."""
         if not samples:
             return {"train/steps": 0.0}, []
+        # A decaying schedule follows the run's rollouts: its horizon counts the planned steps, and a rollout that
+        # took fewer (groups filtered by rl.filter_zero_std_groups, broken plays, designer samples not yet released,
+        # skipped steps) left its share unspent, so the run ended above optimizer.min_lr. Each rollout's steps start
+        # at least where the plan puts the rollout (never back: one that took more steps runs ahead). Set from the
+        # rollout index, so a run resumed from an earlier checkpoint (no-step rollouts save none) starts it alike.
+        planned = (r - 1) * self._steps_per_rollout()
+        if trainer.scheduler.num_steps < planned:
+            trainer.scheduler.step(increment=planned - trainer.scheduler.num_steps)
         started = time.perf_counter()
         gaps = []
         for sample, values in zip(samples, trainer.logprobs(samples)):
@@ -719,17 +736,28 @@ class SelfPlay:
         out["time/train_s"] = time.perf_counter() - started
         return out, updated
 
-    def _sync(self, trainer: Trainer, actor: Optional[_Actor], values: dict[str, float]) -> "SyncStats":
+    def _sync(self, trainer: Trainer, actor: Optional[_Actor], values: dict[str, float], *,
+              changed: bool) -> Optional["SyncStats"]:
         """The trainer's new weights into the engine (collective). An engine that released its GPU memory for the
         step takes back its weights' first, reloads, then takes back its KV cache (evaluation and the next rollout
         generate); each on rank 0 alone, its failure raised on every rank. The time taken is
-        ``time/engine_resume_s``."""
+        ``time/engine_resume_s``.
+
+        Weights no step of the rollout changed (``changed`` false, the same on every rank: no step taken, every group
+        flat under ``rl.filter_zero_std_groups`` or every play broken, or every step skipped, its gradients not
+        finite) are not sent again (None): the engine serves them on under their version, the step that last changed
+        them, which its generations, the transcripts and the loop state (``policy_version``) record. An engine that
+        released its memory has lost its copy and is given them, as a new version."""
         from spade_mega.bridge import sync_weights
         from spade_mega.inference import releases_memory
 
         engine = actor.engine if actor is not None else None
         if not releases_memory(self.cfg):
-            return sync_weights(trainer, engine, trainer.step)
+            if not changed:
+                return None
+            synced = sync_weights(trainer, engine, trainer.step)
+            self.served = synced.version
+            return synced
 
         def resume(tag: str) -> float:
             assert engine is not None  # rank 0's
@@ -739,6 +767,7 @@ class SelfPlay:
 
         took = _from_rank0(lambda: resume("weights"), share=True)
         synced = sync_weights(trainer, engine, trainer.step)
+        self.served = synced.version
         values["time/engine_resume_s"] = took + _from_rank0(lambda: resume("kv_cache"), share=True)
         return synced
 
@@ -768,7 +797,7 @@ class SelfPlay:
         def loop_state() -> None:
             assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
-            self.store.write_state(trainer.step, actor.state(r, trainer.step))
+            self.store.write_state(trainer.step, actor.state(r, self.served))
 
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.
