@@ -13,7 +13,7 @@ import torch
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import KernelsConfig, RLConfig
-from spade_mega.rl.loss import policy_loss
+from spade_mega.rl.loss import SampleSums, policy_loss
 
 
 def _tp_group() -> Any:
@@ -45,9 +45,10 @@ class Objective:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
                  advantages: torch.Tensor, loss_mask: torch.Tensor, sample_ids: torch.Tensor, *,
-                 rollout_logprobs: Optional[torch.Tensor], normalizer: float
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss share of one packed micro-batch ([1, L] inputs) and its metrics."""
+                 rollout_logprobs: Optional[torch.Tensor], normalizer: float,
+                 sample_sums: Optional[SampleSums] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss share of one packed micro-batch ([1, L] inputs, or a context-parallel shard of one with its
+        ``sample_sums``) and its metrics."""
         logprobs, entropy = self.token_logprobs(logits, labels, loss_mask)
 
         def flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -55,7 +56,7 @@ class Objective:
 
         return policy_loss(flat(logprobs), flat(old_logprobs), flat(advantages), flat(loss_mask), self.rl,
                            rollout_logprobs=flat(rollout_logprobs), entropy=flat(entropy),
-                           sample_ids=flat(sample_ids), normalizer=normalizer)
+                           sample_ids=flat(sample_ids), normalizer=normalizer, sample_sums=sample_sums)
 
 
 def select_objective(rl: RLConfig, kernels: KernelsConfig, temperature: float) -> Objective:

@@ -10,7 +10,10 @@ Normalisation: the loss of the whole global batch is ``sum(token losses) / N`` w
 :func:`spade_mega.rl.loss.loss_normalizer` (every rank computes it from the batch it was given). Each micro-batch
 contributes its share; Megatron divides each micro-batch loss by the micro-batch count and DDP averages over
 data-parallel ranks, so shares are multiplied by both, and the summed gradients are those of the full-batch loss
-whatever the layout. The MoE load-balancing loss is added by Megatron's routers with the same averaging, over the
+whatever the layout. Under context parallelism each CP rank holds a load-balanced share of every row (two chunks of
+every sample, :meth:`MicroBatch.context_shard`); its loss is the share of its tokens, Megatron multiplies it by the
+CP size and DDP averages gradients over DP x CP, so the shares still sum to the full-batch gradient. The MoE
+load-balancing loss is added by Megatron's routers with the same averaging, over the
 real tokens of each micro-batch: padding is given to the model as its ``padding_mask`` (an all-padding micro-batch
 adds nothing).
 """
@@ -30,7 +33,15 @@ import torch.distributed as dist
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.megatron import compat
-from spade_mega.megatron.batch import BatchError, MicroBatch, PackPlan, TrainSample, pack, samples_from
+from spade_mega.megatron.batch import (
+    BatchError,
+    MicroBatch,
+    PackPlan,
+    TrainSample,
+    pack,
+    row_length_multiple,
+    samples_from,
+)
 from spade_mega.megatron.objective import Objective, select_objective
 from spade_mega.megatron.parallel import ParallelLayout, init_distributed, initialize, resolve_layout
 from spade_mega.megatron.providers import (
@@ -40,7 +51,7 @@ from spade_mega.megatron.providers import (
     select_backend,
     transformer_config,
 )
-from spade_mega.rl.loss import loss_normalizer
+from spade_mega.rl.loss import SampleSums, loss_normalizer
 
 if TYPE_CHECKING:
     from spade_mega.megatron.checkpoint import PendingSave
@@ -75,10 +86,6 @@ class Trainer:
         if cfg.rl.kl_coef > 0:
             raise ConfigError("rl.kl_coef", "the Megatron trainer keeps no reference model, so KL to a reference "
                                             "policy is unavailable; set rl.kl_coef: 0 (the SPADE recipe's value)")
-        if cfg.parallel.context > 1:
-            raise ConfigError("parallel.context", "context parallelism is not supported by the GRPO train step "
-                                                  "(a sample's log-probs would have to be gathered across "
-                                                  "context-parallel ranks); use parallel.context: 1")
         self.cfg = cfg
         self.pending_save: Optional[PendingSave] = None  # a checkpoint being written in the background
         self.model_cfg = resolve_model_config(cfg.model)
@@ -137,9 +144,10 @@ class Trainer:
 
     def _plan(self, batch: Sequence[TrainSample]) -> PackPlan:
         return pack(batch, token_budget=self.cfg.parallel.max_tokens_per_gpu, data_parallel=self.layout.data,
-                    length_multiple=self.layout.tensor if self.layout.sequence_parallel else 1,
+                    length_multiple=row_length_multiple(self.layout.tensor, self.layout.context,
+                                                        self.layout.sequence_parallel),
                     count_multiple=self.layout.pipeline if self.layout.virtual_pipeline else 1,
-                    common_length=self.layout.virtual_pipeline is not None)
+                    common_length=self.layout.virtual_pipeline is not None, context=self.layout.context)
 
     def _check(self, batch: Sequence[TrainSample]) -> None:
         vocab = self.model_cfg.vocab_size
@@ -151,7 +159,7 @@ class Trainer:
     def _model_inputs(self, mb: MicroBatch, chunk: Any) -> dict[str, Any]:
         device = self.backend.device
         inputs: dict[str, Any] = dict(input_ids=mb.tokens.to(device), position_ids=mb.position_ids.to(device))
-        if self.backend.te:
+        if self.backend.te or self.layout.context > 1:  # the local attention's CP path takes THD too
             inputs.update(attention_mask=None, packed_seq_params=mb.packed_seq_params(device))
         else:
             inputs.update(attention_mask=mb.attention_mask().to(device))
@@ -178,7 +186,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
-            mb = next(data_iterator)
+            mb = next(data_iterator).context_shard(self._ps.get_context_parallel_rank(), self.layout.context)
             return model(**self._model_inputs(mb, model)), partial(loss_fn, mb)
 
         iterators: Any = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
@@ -212,6 +220,8 @@ class Trainer:
 
         def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             values = values_of(mb, logits).reshape(mb.length, width).float().cpu()
+            if mb.row_index is not None:  # a context-parallel shard: the other CP ranks write the rest of the row
+                values = values.new_zeros(mb.row_length, width).index_copy(0, mb.row_index, values)
             if self.reports_metrics:
                 for i, start, end in self._segments(mb):
                     # row position t predicts token t + 1: shift into token alignment
@@ -247,9 +257,26 @@ class Trainer:
 
     @staticmethod
     def _segments(mb: MicroBatch) -> Iterator[tuple[int, int, int]]:
+        """(sample, start, end) of each sample of the row: its tokens, without the padding of its segment."""
         bounds = mb.cu_seqlens.tolist()
         for k, sample in enumerate(mb.samples):
-            yield sample, bounds[k], bounds[k + 1]
+            yield sample, bounds[k], bounds[k] + mb.seqlens[k]
+
+    def _sample_sums(self, mb: MicroBatch) -> Optional[SampleSums]:
+        """For a context-parallel shard: per-token sums over each token's whole sample, all CP ranks' tokens
+        (sequence-level TIS, seq-mean-token-mean); collective over the CP group, no gradient."""
+        if mb.row_index is None:
+            return None
+        group = self._ps.get_context_parallel_group()
+        segment = torch.repeat_interleave(torch.arange(len(mb.seqlens)), torch.diff(mb.cu_seqlens).long())
+
+        def sums(values: torch.Tensor) -> torch.Tensor:
+            index, seg = mb.row_index.to(values.device), segment.to(values.device)
+            row = values.new_zeros(mb.row_length).index_copy(0, index, values.detach())
+            dist.all_reduce(row, group=group)
+            return row.new_zeros(len(mb.seqlens)).index_add(0, seg, row)[seg[index]]
+
+        return sums
 
     def train_step(self, samples: Sequence[TrainSample]) -> StepResult:
         """One GRPO optimizer step over the global batch ``samples`` (the same list on every rank).
@@ -281,7 +308,7 @@ class Trainer:
                 logits, mb.labels.to(device), mb.old_logprobs.to(device), mb.advantages.to(device),
                 mb.loss_mask.to(device), mb.sample_ids.to(device),
                 rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(device),
-                normalizer=float(normalizer))
+                normalizer=float(normalizer), sample_sums=self._sample_sums(mb))
             n = float(metrics["num_tokens"])
             # a micro-batch without loss tokens adds nothing (the empty ones that keep data-parallel ranks in step
             # carry no rollout log-probs, so no TIS metrics either)

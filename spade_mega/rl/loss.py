@@ -12,8 +12,10 @@ Log-probabilities, per token:
   (``rl.tis_level``), with no gradient through it.
 
 Layouts: every tensor is [batch, tokens] (row = sample), or packed 1-D [tokens] with ``sample_ids`` [tokens] naming
-each token's sample (needed by sequence-level TIS and the sequence-mean aggregations). A sample's tokens must all be in
-the same call (no context-parallel split of one sequence).
+each token's sample (needed by sequence-level TIS and the sequence-mean aggregations). A call that holds only part of
+some samples (a context-parallel shard of a row) passes ``sample_sums``, which sums per-token values over each token's
+whole sample (the other shards' tokens included): the per-sample quantities, sequence-level TIS log-weights and
+loss-token counts, then equal those of the whole sample.
 
 Micro-batches and data parallelism: the loss is ``sum_t weight_t * loss_t`` over masked tokens, where the weight
 carries the normaliser. Pass ``normalizer`` = the *global* count over the whole global batch (all micro-batches, all
@@ -29,7 +31,7 @@ Without ``normalizer`` the call's own count is used (the loss of one self-contai
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -59,6 +61,16 @@ def _segment_sum(values: torch.Tensor, seg: torch.Tensor, num: int) -> torch.Ten
     return values.new_zeros(num).index_add(0, seg, values)
 
 
+SampleSums = Callable[[torch.Tensor], torch.Tensor]  # flat per-token values -> per token, the sum over its sample
+
+
+def _sample_sums(values: torch.Tensor, seg: torch.Tensor, sample_sums: Optional[SampleSums]) -> torch.Tensor:
+    """Per token, the sum of ``values`` over its sample: over this call's tokens, or ``sample_sums``'s."""
+    if sample_sums is not None:
+        return sample_sums(values)
+    return _segment_sum(values, seg, int(seg.max()) + 1 if seg.numel() else 0)[seg]
+
+
 def loss_normalizer(loss_mask: torch.Tensor, aggregation: str, sample_ids: Optional[torch.Tensor] = None) -> int:
     """This call's share of the normaliser: loss tokens (token-mean) or samples with a loss token (seq-mean-*)."""
     if aggregation not in AGGREGATIONS:
@@ -80,6 +92,7 @@ def truncated_is_weights(
     cfg: RLConfig,
     *,
     sample_ids: Optional[torch.Tensor] = None,
+    sample_sums: Optional[SampleSums] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated IS weights ``clamp(exp(old - rollout), tis_clip_low, tis_clip)`` per token, and the raw ratios.
 
@@ -98,8 +111,7 @@ def truncated_is_weights(
     log_w = torch.where(mask, old_logprobs.detach().flatten().to(dtype) - rollout_logprobs.detach().flatten().to(dtype),
                         zero)
     if cfg.tis_level == "sequence":
-        seg = _flatten(loss_mask, sample_ids)
-        log_w = _segment_sum(log_w, seg, int(seg.max()) + 1 if seg.numel() else 0)[seg]
+        log_w = _sample_sums(log_w, _flatten(loss_mask, sample_ids), sample_sums)
     raw = torch.exp(log_w.clamp(max=50.0))
     weight = torch.exp(log_w.clamp(max=math.log(cfg.tis_clip))).clamp(cfg.tis_clip_low, cfg.tis_clip)
     return torch.where(mask, weight, zero), torch.where(mask, raw, zero)
@@ -117,6 +129,7 @@ def policy_loss(
     entropy: Optional[torch.Tensor] = None,
     sample_ids: Optional[torch.Tensor] = None,
     normalizer: Optional[float] = None,
+    sample_sums: Optional[SampleSums] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of one (micro-)batch and its metrics.
 
@@ -151,7 +164,6 @@ def policy_loss(
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     mask = loss_mask.bool().flatten()
     seg = _flatten(loss_mask, sample_ids)
-    num_seg = int(seg.max()) + 1 if seg.numel() else 0
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
 
     def clean(t: torch.Tensor, keep_grad: bool = False) -> torch.Tensor:
@@ -168,7 +180,8 @@ def policy_loss(
 
     metrics: dict[str, torch.Tensor] = {}
     if rollout_logprobs is not None:
-        weight, raw = truncated_is_weights(old_logprobs, rollout_logprobs, loss_mask, cfg, sample_ids=sample_ids)
+        weight, raw = truncated_is_weights(old_logprobs, rollout_logprobs, loss_mask, cfg, sample_ids=sample_ids,
+                                           sample_sums=sample_sums)
         pg = pg * weight
         metrics["tis_ratio_mean"] = raw[mask].mean() if mask.any() else zero
         metrics["tis_ratio_max"] = raw[mask].max() if mask.any() else zero
@@ -199,8 +212,8 @@ def policy_loss(
                          f"({cfg.loss_aggregation!r}); pass the count over the whole global batch: loss_normalizer "
                          "summed over every micro-batch and data-parallel rank")
     if cfg.loss_aggregation == "seq-mean-token-mean":
-        tokens_per_seg = _segment_sum(mask.to(dtype), seg, num_seg)
-        weight_t = 1.0 / (tokens_per_seg[seg].clamp(min=1.0) * max(norm, 1.0))
+        tokens_per_sample = _sample_sums(mask.to(dtype), seg, sample_sums)
+        weight_t = 1.0 / (tokens_per_sample.clamp(min=1.0) * max(norm, 1.0))
     else:
         weight_t = torch.full_like(per_token, 1.0 / max(norm, 1.0))
     loss = torch.where(mask, per_token * weight_t, zero).sum()

@@ -54,8 +54,9 @@ def _check_context(cfg: SpadeConfig) -> None:
     """Every sequence of a rollout (an episode, a designer sample) grows up to ``rollout.max_context_tokens``: the
     model's positions must hold it (with ``model.hf_config``, its config.json's ``max_position_embeddings``, which
     ``SpadeConfig.check`` does not read), and so must one micro-batch row of the trainer
-    (``parallel.max_tokens_per_gpu`` rounded down to a multiple of TP under sequence parallelism), which refuses a
-    longer sample. Say so before any rollout, not at the first long sample."""
+    (``parallel.max_tokens_per_gpu`` x ``parallel.context``, rounded down to the row length multiple of sequence /
+    context parallelism; under context parallelism a sample takes its length padded to a multiple of 2 x CP), which
+    refuses a longer sample. Say so before any rollout, not at the first long sample."""
     p, context = cfg.parallel, cfg.rollout.max_context_tokens
     if cfg.model.hf_config is not None:
         from spade_mega.megatron.providers import resolve_model_config
@@ -65,10 +66,15 @@ def _check_context(cfg: SpadeConfig) -> None:
             raise ConfigError("rollout.max_context_tokens",
                               f"must be <= model.max_position_embeddings ({positions}) of {cfg.model.hf_config}: "
                               f"every episode and designer sample grows up to it; got {context}")
-    row = p.max_tokens_per_gpu // p.tensor * p.tensor if p.sequence_parallel else p.max_tokens_per_gpu
-    if context > row:
+    from spade_mega.megatron.batch import row_capacity, row_length_multiple, sample_room
+
+    multiple = row_length_multiple(p.tensor, p.context, p.sequence_parallel)
+    row, room = row_capacity(p.max_tokens_per_gpu, multiple, p.context), sample_room(context, p.context)
+    if room > row:
+        least = -(-(-(-room // multiple) * multiple) // p.context)  # the room rounded up to the multiple, per rank
         raise ConfigError("parallel.max_tokens_per_gpu",
                           f"a micro-batch row holds {row} tokens, but rollout samples grow up to "
                           f"rollout.max_context_tokens ({context}); raise parallel.max_tokens_per_gpu to at least "
-                          f"{context} (under sequence parallelism each of the TP ranks holds 1/TP of a row) or lower "
-                          "rollout.max_context_tokens")
+                          f"{least} (a row is parallel.context x parallel.max_tokens_per_gpu "
+                          "tokens; under sequence parallelism each of the TP ranks holds 1/TP of a rank's share) or "
+                          "lower rollout.max_context_tokens")

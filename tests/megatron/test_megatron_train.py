@@ -106,7 +106,7 @@ def test_trainers_built_one_after_another_in_one_process_each_train(tmp_path: Pa
         assert steps["again"][key] == pytest.approx(steps["first"][key], rel=1e-6), key
 
 
-@pytest.mark.parametrize("override, key", [("rl.kl_coef=0.1", "rl.kl_coef"), ("parallel.context=2", "parallel.context")])
+@pytest.mark.parametrize("override, key", [("rl.kl_coef=0.1", "rl.kl_coef")])
 def test_unsupported_settings_are_refused_before_anything_starts(override: str, key: str) -> None:
     from spade_mega.config import ConfigError
     from spade_mega.config.loader import apply_overrides, to_dict

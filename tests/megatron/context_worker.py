@@ -1,0 +1,95 @@
+"""Context-parallel scenario for tests/megatron/test_megatron_context.py (gloo, CPU, one thread per process).
+
+  step  any layout: with --load, the checkpoint --load (else build and save the initial weights to --out/init);
+        the plan's row compositions, the log-probs of the batch, one GRPO step, the log-probs after it, and (one
+        process, or context parallelism alone, where every rank holds all weights) the weights before and after; written to
+        --out/<tag>.json and <tag>_*.pt. Nothing is asserted here.
+
+The batch: six samples of different lengths, several in a row, none a multiple of 4, so that under CP2 every sample
+is padded inside its row segment (and the reference, one process, has no padding at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from megatron_worker import VOCAB, config, is_rank0, write_json
+
+LENGTHS = (14, 11, 10, 7, 6, 5)
+
+
+def make_batch(seed: int):
+    """Multi-turn samples of both roles; behaviour and old log-probs differ from the policy's (PPO clipping and
+    truncated IS active), advantages of both signs."""
+    import torch
+
+    from spade_mega.megatron import TrainSample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate(LENGTHS):
+        tokens = torch.randint(0, VOCAB, (n,), generator=g)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[2:4] = True  # a model turn, then an observation at 4
+        mask[5:n - 1] = True
+        adv = torch.where(mask, torch.tensor(float((-1) ** i) * (0.5 + i / 10)), torch.tensor(0.0))
+        old = -math.log(VOCAB) + 0.3 * torch.randn(n, generator=g)
+        rollout = old + 0.2 * torch.randn(n, generator=g)
+        samples.append(TrainSample(tokens, mask, adv, role="designer" if i % 3 == 2 else "agent",
+                                   old_logprobs=old, rollout_logprobs=rollout))
+    return samples
+
+
+def scenario_step(args) -> None:
+    import torch
+
+    from spade_mega.megatron import Trainer
+
+    trainer = Trainer(config(args.overrides))
+    if args.load:
+        trainer.load(args.load)
+    else:
+        trainer.save(str(args.out / "init"))
+    batch = make_batch(1)
+    from spade_mega.megatron.batch import samples_from
+
+    plan = trainer._plan(samples_from(batch))
+    rows = [[mb.samples for mb in rank] for rank in plan.micro_batches]
+    padding = [sum(int(mb.padding_mask.sum()) for mb in rank) for rank in plan.micro_batches]
+    def weights() -> dict:
+        return {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+
+    initial = weights()
+    before = trainer.logprobs(batch)
+    result = trainer.train_step(batch)
+    after = trainer.logprobs(batch)
+    if is_rank0():
+        torch.save({"before": before, "after": after}, args.out / f"{args.tag}_logprobs.pt")
+        if args.weights:
+            torch.save({"before": initial, "after": weights()}, args.out / f"{args.tag}_weights.pt")
+    write_json(args.out / f"{args.tag}.json", {"step": result.metrics, "rows": rows, "padding": padding})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["step"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--tag", default="run")
+    parser.add_argument("--load")
+    parser.add_argument("--weights", action="store_true", help="write this rank's (the full) weights after the step")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    globals()[f"scenario_{args.scenario}"](args)
+    from spade_mega.megatron.parallel import shutdown
+
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Context parallelism in the GRPO train step: the row layout it needs (segments padded to 2*CP, load-balanced
+shards), and one step on two CP ranks (gloo) equal to one process: loss, metrics, log-probs before and after, updated
+weights, with sequence-level truncated IS, the seq-mean-token-mean aggregation and the entropy bonus (the per-sample
+quantities a shard cannot compute alone), full recompute, and the MoE load-balancing loss over padded rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_launch import read_json, run_worker
+
+from spade_mega.megatron.attention import context_order
+from spade_mega.megatron.batch import BatchError, TrainSample, pack, samples_from
+
+WORKER = Path(__file__).with_name("context_worker.py")
+PER_SAMPLE = ["rl.tis_level=sequence", "rl.loss_aggregation=seq-mean-token-mean", "rl.entropy_coef=0.01"]
+COMPARED = ("loss", "pg_loss", "clip_frac", "approx_kl", "tis_ratio_mean", "tis_ratio_max", "entropy", "grad_norm",
+            "moe_load_balancing_loss")
+RTOL = 1e-5
+
+
+def batch(lengths: list[int]) -> list[TrainSample]:
+    return samples_from([TrainSample(torch.arange(n) % 7, torch.arange(n) > 0, torch.ones(n)) for n in lengths])
+
+
+def test_context_parallel_rows_pad_each_sample_and_shards_partition_the_row() -> None:
+    plan = pack(batch([7, 5, 9]), token_budget=12, length_multiple=4, context=2)  # a row holds 24 = 12 x 2
+    rows = plan.micro_batches[0]
+    assert [mb.samples for mb in rows] == [[0, 2], [1]]  # slots of 8 + 12 = 20 fit, 8 more would not
+    first = rows[0]
+    assert first.cu_seqlens.tolist() == [0, 8, 20] and first.seqlens == [7, 9]
+    assert first.sample_ids[0].tolist() == [0] * 7 + [-1] + [2] * 9 + [-1] * 3
+    assert first.labels[0, :6].tolist() == (torch.arange(1, 7) % 7).tolist() and not first.loss_mask[0, 6:8].any()
+    shards = [first.context_shard(rank, 2) for rank in range(2)]
+    # chunks r and 3 - r of each segment: segment 0 in chunks of 2, segment 1 in chunks of 3
+    assert shards[0].row_index.tolist() == [0, 1, 6, 7, 8, 9, 10, 17, 18, 19]
+    assert shards[1].row_index.tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
+    for shard in shards:
+        assert torch.equal(shard.tokens[0], first.tokens[0, shard.row_index])
+        assert shard.row_length == 20 and shard.length == 10
+    # all-gathered keys (rank 0's shard, then rank 1's) back in row order
+    gathered = torch.cat([s.row_index for s in shards])
+    assert torch.equal(gathered[context_order(first.cu_seqlens.tolist(), 2)], torch.arange(20))
+    params = first.packed_seq_params(torch.device("cpu"))
+    assert params.cu_seqlens_q.tolist() == [0, 7, 16] and params.cu_seqlens_q_padded.tolist() == [0, 8, 20]
+    assert params.max_seqlen_q == 12
+    unsplit = pack(batch([7, 5, 9]), token_budget=24).micro_batches[0][0]
+    assert unsplit.packed_seq_params(torch.device("cpu")).cu_seqlens_q_padded is None  # as before: no CP, no padding
+
+
+def test_the_budget_is_per_rank_and_a_sample_counts_with_its_padding() -> None:
+    with pytest.raises(BatchError, match=r"sample 0 has 23 tokens \(24 padded to a multiple of 2 x parallel.context\)"
+                                         r", more than the micro-batch token budget 16 = parallel.max_tokens_per_gpu "
+                                         r"\(8\) x parallel.context \(2\)"):
+        pack(batch([23]), token_budget=8, length_multiple=4, context=2)
+    assert pack(batch([16]), token_budget=8, length_multiple=4, context=2).micro_batches[0][0].length == 16
+
+
+@pytest.mark.multiproc
+def test_a_cp2_step_equals_one_process(tmp_path: Path) -> None:
+    """Six samples of 5-14 tokens in three rows; under CP2 each sample is padded to a multiple of 4 (17% of the row
+    positions), one process has no padding; the budgets (26 for one process, 16 per rank for two) give both the same
+    rows, so the MoE load-balancing loss is compared on the same compositions."""
+    run_worker(1, "step", tmp_path, "--tag", "ref", "--weights", "parallel.max_tokens_per_gpu=26", *PER_SAMPLE,
+               worker=WORKER)
+    run_worker(2, "step", tmp_path, "--tag", "cp2", "--weights", "--load", str(tmp_path / "init"),
+               "parallel.context=2", "parallel.max_tokens_per_gpu=16", "parallel.recompute=full", *PER_SAMPLE,
+               worker=WORKER)
+    want, got = read_json(tmp_path / "ref.json"), read_json(tmp_path / "cp2.json")
+    assert got["rows"] == want["rows"] == [[[0, 1], [2, 3, 4], [5]]]
+    assert want["padding"] == [0] and got["padding"] == [11], "the comparison must include padded segments"
+    assert want["step"]["clip_frac"] > 0 and want["step"]["tis_ratio_mean"] != 1.0
+    for key in COMPARED:
+        w, g = want["step"][key], got["step"][key]
+        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} under CP2, {w!r} in one process"
+    logprobs = {tag: torch.load(tmp_path / f"{tag}_logprobs.pt") for tag in ("ref", "cp2")}
+    for when in ("before", "after"):
+        for i, (w, g) in enumerate(zip(logprobs["ref"][when], logprobs["cp2"][when])):
+            assert w.shape == g.shape and float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step"
+    reference, weights = torch.load(tmp_path / "ref_weights.pt"), torch.load(tmp_path / "cp2_weights.pt")
+    assert weights["after"].keys() == reference["after"].keys()
+    for name, w in reference["after"].items():
+        assert torch.equal(weights["before"][name], reference["before"][name]), f"{name}: not the same start"
+        err = float((weights["after"][name] - w).norm() / w.norm())
+        assert err < RTOL, f"updated weight {name} differs from one process (relative error {err:.2e})"
+        update = w - reference["before"][name]
+        assert update.norm() > 0, f"{name} did not move: the comparison would prove nothing"
+        update_err = float((weights["after"][name] - weights["before"][name] - update).norm() / update.norm())
+        assert update_err < 1e-3, f"the update of {name} differs by {update_err:.2e} of its size"
+    assert any(not torch.equal(a, b) for a, b in zip(logprobs["ref"]["before"], logprobs["ref"]["after"]))
+
+
+def test_a_rollout_context_no_row_holds_is_refused_before_any_rollout() -> None:
+    """Under CP a row is parallel.context x parallel.max_tokens_per_gpu tokens, a sample its length padded to a
+    multiple of 2 x CP: a 32768-token context needs 16384 per rank on two CP ranks (the config error names the key
+    and that size), not the full 32768 per rank as without CP."""
+    from spade_mega.config import ConfigError
+    from spade_mega.config.loader import load_config
+    from spade_mega.rollout.runner import _check_context
+
+    _check_context(load_config(None, ["parallel.context=2", "parallel.max_tokens_per_gpu=16384"]))
+    with pytest.raises(ConfigError, match=r"holds 32764 tokens.*raise parallel.max_tokens_per_gpu to at least 16384 "
+                                          r"\(a row is parallel.context x") as error:
+        _check_context(load_config(None, ["parallel.context=2", "parallel.max_tokens_per_gpu=16383"]))
+    assert error.value.path == "parallel.max_tokens_per_gpu"
