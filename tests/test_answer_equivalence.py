@@ -83,6 +83,11 @@ SAME = [  # (answer the model boxed, reference)
     ("y = 2x + 1", "x = \\frac{y - 1}{2}"),
     ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}"),
     ("\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "\\frac{x^2}{16} + \\frac{y^2}{12} = \\frac14"),
+    # factorials and binomials in three variables (each took 1-3 s through derivatives of the gamma function)
+    ("\\binom{x}{y}+\\binom{x}{z} = \\binom{y}{z}", "2\\binom{x}{y}+2\\binom{x}{z} = 2\\binom{y}{z}"),
+    ("\\binom{x}{y} = \\binom{x}{z}", "2\\binom{x}{y} = 2\\binom{x}{z}"),
+    ("\\binom{x+y}{z} = x", "\\binom{x+y}{z}\\cdot 5 = 5x"),
+    ("x! y! = z!", "2x! y! = 2z!"),
     # real odd roots; \log is base 10
     ("\\sqrt[3]{-8}", "-2"),
     ("\\sqrt[5]{-32}", "-2"),
@@ -211,6 +216,9 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("2x = 6", "y = 3"),
     ("(x - 3)^2 = 0", "x = 3"),  # the same solution set, but not the same equation: equations are not solved
     ("x^2 = 9", "x = 3"),
+    ("x! y! = z!", "x! y! = 2z!"),
+    ("\\binom{x}{y} = z", "\\binom{x}{z} = y"),
+    ("x + y = 1", "x + y + 10^{-60}z = 1"),  # a tiny term is no constant factor
     ("|x| = 3", "x = 3"),
     ("y = 2x + 1", "x = \\frac{y + 1}{2}"),
     ("\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "\\frac{x^2}{16} + \\frac{y^2}{12} = 1"),

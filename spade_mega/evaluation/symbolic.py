@@ -749,17 +749,21 @@ def _equation(named: Answer) -> Any:
 def _proportional(a: Any, b: Any) -> bool:
     """Whether the equations ``a = 0`` and ``b = 0`` are the same one scaled: ``a`` is a non-zero constant times
     ``b`` (``2x = 6`` is ``x = 3``, ``y = 2x + 1`` is ``2x - y + 1 = 0``; ``(x - 3)^2 = 0`` is not ``x = 3``, whose
-    solution set it shares: equations are not solved). Tested as ``a' b = a b'`` in every variable, by the identity
-    test, for ``a`` and ``b`` not 0 everywhere; an equation in no variable is none."""
+    solution set it shares: equations are not solved). Tested as ``a(p) b(q) = a(q) b(p)`` for each two of the
+    identity test's points p, q (a / b takes one value at all three), for ``a`` and ``b`` not 0 everywhere; an
+    equation in no variable is none. Not through derivatives (``a' b = a b'`` in every variable): those of factorials
+    and binomials are polygamma functions, whose evaluation took 1-3 s an equation in three variables."""
     import sympy
 
     if _equal(a, b) or _equal(a, -b):
         return True
     variables = sorted(a.free_symbols | b.free_symbols, key=str)
     zero = sympy.Integer(0)
-    if not variables or _equal(a, zero) or _equal(b, zero):
+    if not variables or len(variables) > len(POINTS[0]) or _equal(a, zero) or _equal(b, zero):
         return False
-    return all(_equal(sympy.diff(a, v) * b, a * sympy.diff(b, v)) for v in variables)
+    copies = {v: sympy.Dummy(v.name) for v in variables}  # the variables at the second point
+    pairs = [{**dict(zip(variables, p)), **dict(zip(copies.values(), q))} for p, q in itertools.combinations(POINTS, 2)]
+    return _agree(sympy, a * b.xreplace(copies), a.xreplace(copies) * b, pairs)
 
 
 def _nonzero_at(sympy: Any, difference: Any, values: dict[Any, Any]) -> bool:
@@ -793,10 +797,21 @@ def _equal(a: Any, b: Any) -> bool:
         symbols = sorted(difference.free_symbols, key=str)
         if len(symbols) > len(POINTS[0]):
             return False
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, RecursionError, AttributeError):
+        return False
+    return _agree(sympy, a, b, [dict(zip(symbols, point)) for point in (POINTS if symbols else POINTS[:1])])
+
+
+def _agree(sympy: Any, a: Any, b: Any, points: Sequence[dict[Any, float]]) -> bool:
+    """Whether ``a`` and ``b`` have the same value at each of ``points`` (its variables' values) where both are
+    finite, and at one at least: to DIGITS digits, their difference not provably non-zero (``_nonzero_at``). A number
+    is evaluated once: every point gives it the same value."""
+    try:
+        difference = a - b
         tolerance = sympy.Float(10) ** -DIGITS
         tested = 0
-        for point in POINTS:
-            values = {s: sympy.Float(v, PRECISION) for s, v in zip(symbols, point)}
+        for point in points:
+            values = {s: sympy.Float(v, PRECISION) for s, v in point.items()}
             x, y = a.evalf(PRECISION, subs=values), b.evalf(PRECISION, subs=values)
             if not (x.is_number and y.is_number and x.is_finite and y.is_finite):
                 continue  # a pole, or a value sympy cannot evaluate: this point tells nothing
