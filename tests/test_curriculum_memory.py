@@ -464,3 +464,60 @@ def test_a_foreign_database_with_a_user_version_is_refused_and_left_untouched(tm
             EnvMemory(foreign, create=create)
     assert foreign.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]
+
+
+def test_an_evaluation_without_a_measured_hint_play_records_no_hint_rate_and_no_regret(memory: EnvMemory) -> None:
+    """No hint play measured the agent (none configured, or every one broken by its program): the win rate with the
+    hint and the regret are not known and stored NULL. Before, the loop copied the agent's win rate into the hint's
+    and recorded a regret of 0, which classified an environment the agent never won as unsolvable even with the hint
+    (the designer's negative example) and entered the stats' hint and regret means."""
+    p = program(1)
+    memory.propose(p)
+    memory.set_validation(p.content_hash, True)
+    memory.record_evaluation(p.content_hash, 2, win_rate=0.0, win_rate_hint=None, plays=4, hint_plays=0)
+    record = memory.get(p.content_hash)
+    (evaluation,) = record.evaluations
+    assert (evaluation.win_rate, evaluation.win_rate_hint, evaluation.regret) == (0.0, None, None)
+    assert (record.win_rate, record.win_rate_hint, record.regret, record.outcome) == (0.0, None, None, "other")
+    assert memory.negatives("arithmetic", 5) == [] and memory.seeds("arithmetic", 5) == []
+    assert memory.stats()["mean_win_rate_hint"] is None and memory.stats()["mean_regret"] is None
+    assert classify(0.0, None, None) == "other" and classify(0.9, None, None) == "mastered"
+    for regret, hint_plays in ((0.0, 0), (None, 2)):  # a regret or hint plays without a rate with the hint
+        with pytest.raises(EnvMemoryError, match="without a win rate with the hint"):
+            memory.record_evaluation(p.content_hash, 3, 0.0, None, 4, hint_plays, regret=regret)
+
+
+def test_a_database_written_before_gets_nullable_hint_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """Its evaluations table held the hint columns NOT NULL: a writer opening it rebuilds the table without the
+    constraint (rows unchanged) and can record an evaluation without hint plays; a reader leaves it as it is."""
+    from spade_mega.curriculum import memory as module
+
+    path, p = tmp_path / "old.sqlite", program(1)
+    with EnvMemory(path) as memory:
+        memory.propose(p)
+        memory.record_evaluation(p.content_hash, 1, 0.25, 0.75, 4, 4)
+        before = memory.get(p.content_hash)
+    table = module._EVALUATIONS_NULLABLE[1]
+    old = table.replace("win_rate_hint REAL,", "win_rate_hint REAL NOT NULL,").replace("regret REAL,",
+                                                                                       "regret REAL NOT NULL,")
+    assert old != table
+    conn = sqlite3.connect(path)  # the table as an older spade-mega wrote it
+    conn.executescript("BEGIN; " + old.replace("IF NOT EXISTS evaluations", "old_evaluations") +
+                       "INSERT INTO old_evaluations SELECT * FROM evaluations; DROP TABLE evaluations; "
+                       "ALTER TABLE old_evaluations RENAME TO evaluations; COMMIT;")
+    conn.close()
+
+    def constrained() -> list[str]:
+        with sqlite3.connect(path) as conn:
+            return [row[1] for row in conn.execute("PRAGMA table_info(evaluations)") if row[3]]
+
+    assert "win_rate_hint" in constrained() and "regret" in constrained()
+    with EnvMemory(path, create=False) as reader:
+        assert reader.get(p.content_hash) == before
+    assert "win_rate_hint" in constrained()  # a reader writes nothing
+    with EnvMemory(path) as memory:
+        assert memory.get(p.content_hash) == before
+        memory.record_evaluation(p.content_hash, 2, 0.5, None, 4, 0)
+        assert [(e.win_rate_hint, e.regret) for e in memory.get(p.content_hash).evaluations] == \
+            [(0.75, 0.5), (None, None)]
+    assert constrained() == ["env_id", "iteration", "win_rate", "plays", "hint_plays"]

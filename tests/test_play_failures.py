@@ -126,17 +126,22 @@ def test_a_resume_from_before_the_break_finds_the_program_valid_again(tmp_path: 
         actor.close()
 
 
-# Giving up wins on the mat, knocking breaks it: its plays without the hint are measured, its hint plays broken.
+# Giving up wins on the mat in its second turn, knocking breaks it: its plays without the hint are measured (two turns
+# each, where every other play of the test takes one), its hint plays broken.
 MAT = textwrap.dedent('''
     class Mat:
         max_turns = 2
 
         def reset(self, seed):
+            self.wiped = False
             return "A doormat."
 
         def step(self, action):
             if action == "knock":
                 raise ValueError("nobody knocks on a doormat")
+            if not self.wiped:
+                self.wiped = True
+                return "Wipe them again.", 0.0, False, False, {}
             return "You wipe your feet.", 1.0, True, False, {}
 ''')
 
@@ -148,7 +153,9 @@ def test_a_play_its_program_broke_is_no_measurement_of_the_agent(tmp_path: Path,
     plays, counted in agent/broken_plays and marked in the transcript. The door breaks every play without the hint
     (its hint plays win), the doormat every hint play (its plays without the hint win): all four measured plays of
     each kind are wins. Before, the broken ones counted as scoring 0: agent/return and agent/win_rate 0.5, a regret
-    of 1 for the door and -1 for the doormat in the memory and designer/regret 0, the trackers fed 0.5."""
+    of 1 for the door and -1 for the doormat in the memory and designer/regret 0, the trackers fed 0.5. agent/turns
+    averages the same plays (every episode's before, hint plays and broken ones too). The doormat's evaluation has no
+    win rate with the hint and no regret (before: the agent's win rate copied, a regret of 0)."""
     door, mat = EnvProgram(DOOR, "Knock.", "arithmetic"), EnvProgram(MAT, "Knock.", "arithmetic")
     actor, cfg = _actor(tmp_path, monkeypatch, door, [door, mat], ["rollout.envs_per_rollout=2"])
     try:
@@ -165,12 +172,14 @@ def test_a_play_its_program_broke_is_no_measurement_of_the_agent(tmp_path: Path,
     assert metrics["agent/episodes"] == 4  # the plays without the hint, broken or not
     assert metrics["agent/broken_plays"] == 4 and metrics["agent/failed_episodes"] == 4
     assert metrics["agent/return"] == 1.0 and metrics["agent/win_rate"] == 1.0  # the doormat's two plays
+    assert metrics["agent/turns"] == 2.0  # theirs (1.25 over every episode before)
     assert metrics["agent/hint_return"] == 1.0 and metrics["agent/hint_win_rate"] == 1.0  # the door's two
     assert "designer/regret" not in metrics  # no environment measured with and without the hint
     assert (tracker.mu_slow, tracker.updates) == (1.0, 1)
     assert rows[door.content_hash].evaluations == ()  # nothing of the agent measured on it
     (evaluation,) = rows[mat.content_hash].evaluations
-    assert (evaluation.plays, evaluation.hint_plays, evaluation.win_rate, evaluation.regret) == (2, 0, 1.0, 0.0)
+    assert (evaluation.plays, evaluation.hint_plays, evaluation.win_rate) == (2, 0, 1.0)
+    assert (evaluation.win_rate_hint, evaluation.regret) == (None, None)  # not measured with the hint (1.0, 0.0)
     assert sorted((env == door.content_hash, role, returns) for env, role, _, returns in plays) == [
         (False, "agent", [1.0, 1.0]), (True, "hint", [1.0, 1.0])]
     measured = {(r["env_id"] == door.content_hash, r["hinted"]): r["measured"] for r in records}

@@ -144,7 +144,9 @@ def _show(args: argparse.Namespace) -> int:
         print("iteration  win rate  with hint  regret  designer reward  plays  hint plays")
         for e in record.evaluations:
             reward = "-" if e.designer_reward is None else f"{e.designer_reward:.3f}"
-            print(f"{e.iteration:9d}  {e.win_rate:8.3f}  {e.win_rate_hint:9.3f}  {e.regret:6.3f}  "
+            hint = "-" if e.win_rate_hint is None else f"{e.win_rate_hint:.3f}"  # no hint play measured the agent
+            regret = "-" if e.regret is None else f"{e.regret:.3f}"
+            print(f"{e.iteration:9d}  {e.win_rate:8.3f}  {hint:>9}  {regret:>6}  "
                   f"{reward:>15}  {e.plays:5d}  {e.hint_plays:10d}")
     print(f"hint          {record.hint}")
     print("source:")

@@ -67,8 +67,8 @@ CREATE TABLE IF NOT EXISTS evaluations (
     env_id INTEGER NOT NULL REFERENCES environments(id),
     iteration INTEGER NOT NULL,
     win_rate REAL NOT NULL,
-    win_rate_hint REAL NOT NULL,
-    regret REAL NOT NULL,
+    win_rate_hint REAL,
+    regret REAL,
     designer_reward REAL,
     plays INTEGER NOT NULL,
     hint_plays INTEGER NOT NULL,
@@ -95,6 +95,13 @@ CREATE TABLE IF NOT EXISTS verdicts (
     prior_reason TEXT
 )"""
 
+# An evaluation no hint play measured (none configured, or every one broken by its program) has no win rate with the
+# hint and no regret: NULL, not the agent's win rate copied and a regret of 0. A database written before kept them
+# NOT NULL; every writer opening it rebuilds the table without the constraint (its rows unchanged), as it adds
+# verdicts: an older spade-mega still reads it.
+_EVALUATIONS_NULLABLE = ("evaluations_nullable", _SCHEMA[_SCHEMA.index("CREATE TABLE IF NOT EXISTS evaluations"):
+                                                          _SCHEMA.index("CREATE TABLE IF NOT EXISTS lsh")])
+
 # Every column but the MinHash signature: what records carry.
 _COLUMNS = ("id, content_hash, ast_hash, skill, source, hint, document_id, designer_iteration, policy_version, "
             "provenance, status, reason, proposals, duplicate_of, similarity, created_at, last_iteration, win_rate, "
@@ -109,8 +116,8 @@ class EnvMemoryError(SpadeError):
 class Evaluation:
     iteration: int
     win_rate: float
-    win_rate_hint: float
-    regret: float
+    win_rate_hint: float | None  # None (and regret None): no hint play measured the agent
+    regret: float | None
     designer_reward: float | None
     plays: int
     hint_plays: int
@@ -167,13 +174,16 @@ class Proposal:
     similarity: float | None
 
 
-def classify(win_rate: float, win_rate_hint: float, regret: float) -> Outcome:
+def classify(win_rate: float, win_rate_hint: float | None, regret: float | None) -> Outcome:
     """Mastered: the agent alone wins (win rate > 0.8). Unsolvable: it fails even with the hint (< 0.2 both).
     Frontier: the hint helps (positive regret). The thresholds are the difficulty buckets of ``diversity.py``; the
     rates are win rates (episodes with a reward >= ``rewards.win_threshold``, see ``curriculum/rewards.py``), regret
-    a difference of mean returns, so shaped rewards classify by wins, as 0/1 rewards do."""
+    a difference of mean returns, so shaped rewards classify by wins, as 0/1 rewards do. Not measured with the hint
+    (None): neither unsolvable nor frontier."""
     if win_rate > EASY_ABOVE:
         return "mastered"
+    if win_rate_hint is None or regret is None:
+        return "other"
     if win_rate < HARD_BELOW and win_rate_hint < HARD_BELOW:
         return "unsolvable"
     return "frontier" if regret > 0 else "other"
@@ -210,6 +220,7 @@ class EnvMemory:
                 self._initialise(create)
             if create:
                 self.conn.execute(_VERDICTS)
+                self._evaluations_nullable()
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
             self.conn.execute("PRAGMA foreign_keys=ON")
@@ -243,6 +254,28 @@ class EnvMemory:
                     if statement.strip():
                         self.conn.execute(statement)
                 self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def _evaluations_nullable(self) -> None:
+        """Rebuild an older database's evaluations table without NOT NULL on the hint columns (_EVALUATIONS_NULLABLE),
+        under the write lock, in one transaction."""
+        def constrained() -> bool:
+            return any(row["name"] == "win_rate_hint" and row["notnull"]
+                       for row in self.conn.execute("PRAGMA table_info(evaluations)"))
+
+        if not constrained():
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if constrained():  # re-read under the lock: another writer may have just rebuilt it
+                name, create = _EVALUATIONS_NULLABLE
+                self.conn.execute(create.replace("IF NOT EXISTS evaluations", name).rstrip().rstrip(";"))
+                self.conn.execute(f"INSERT INTO {name} SELECT * FROM evaluations")
+                self.conn.execute("DROP TABLE evaluations")
+                self.conn.execute(f"ALTER TABLE {name} RENAME TO evaluations")
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
@@ -393,15 +426,22 @@ class EnvMemory:
             conn.execute("UPDATE environments SET status = ?, reason = ? WHERE id = ?",
                          ("valid" if valid else "invalid", reason, env_id))
 
-    def record_evaluation(self, content_hash: str, iteration: int, win_rate: float, win_rate_hint: float,
+    def record_evaluation(self, content_hash: str, iteration: int, win_rate: float, win_rate_hint: float | None,
                           plays: int, hint_plays: int, designer_reward: float | None = None,
                           regret: float | None = None) -> None:
         """Store one iteration's play results (idempotent per iteration): win rates (fractions of episodes won) alone
         and with the hint. ``regret`` defaults to the hint gain ``win_rate_hint - win_rate``; the loop passes SPADE's
-        regret, hint minus no-hint mean return (equal for 0/1 rewards)."""
+        regret, hint minus no-hint mean return (equal for 0/1 rewards). ``win_rate_hint`` None: no hint play measured
+        the agent (``hint_plays`` 0), so there is no regret either (stored NULL)."""
         v = _play_results(iteration=iteration, win_rate=win_rate, win_rate_hint=win_rate_hint,
                           designer_reward=designer_reward, plays=plays, hint_plays=hint_plays)
-        v |= _play_results(regret=v["win_rate_hint"] - v["win_rate"] if regret is None else regret)
+        if v["win_rate_hint"] is None:
+            if regret is not None or v["hint_plays"]:
+                raise EnvMemoryError(f"an evaluation without a win rate with the hint has no regret and no hint plays, "
+                                     f"got regret {regret!r}, hint_plays {v['hint_plays']}")
+            v["regret"] = None
+        else:
+            v |= _play_results(regret=v["win_rate_hint"] - v["win_rate"] if regret is None else regret)
         with self._write() as conn:
             env_id = self._resolve(content_hash)
             conn.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

@@ -442,6 +442,7 @@ class _Actor:
         episodes = batch.episodes
         self.transcript.episodes(self.environments, episodes)
         trajectories, agent_returns, hint_returns, failures, broken, played = [], [], [], 0, 0, 0
+        turns: list[float] = []  # of the plays agent/return averages
         regrets, by_skill, failed = [], {}, set()
         for e, env in enumerate(self.environments):
             mine = [ep for ep in episodes if ep.env_id == env.env_id]
@@ -451,6 +452,7 @@ class _Actor:
             broken += sum(not ep.measured for ep in mine)
             agent_returns += agent
             hint_returns += hint
+            turns += [float(ep.turns) for ep in mine if not ep.hinted and ep.measured]
             by_skill.setdefault(env.skill, []).extend(agent)
             if env.env_id in self.buffer:
                 if agent:
@@ -476,16 +478,16 @@ class _Actor:
                 self.memory.set_validation(env.env_id, False,
                                            (Reason.TIMEOUT if timed_out else Reason.PROGRAM_ERROR).value, iteration=r)
             # rates count wins (rewards.win_threshold); regret is SPADE's difference of mean returns, measured where
-            # plays with and without the hint were (the memory records 0 without hint plays, its win rate for both)
+            # plays with and without the hint were: without a measured hint play (none configured, or every one
+            # broken) the memory records no win rate with the hint and no regret (NULL), not copies of the agent's
             regret = _mean(hint) - _mean(agent) if hint and agent else None
             if regret is not None:
                 regrets.append(regret)
             if agent:
                 rate = win_rate(agent, cfg.rewards)
                 self.memory.record_evaluation(env.env_id, r, win_rate=rate,
-                                              win_rate_hint=win_rate(hint, cfg.rewards) if hint else rate,
-                                              plays=len(agent), hint_plays=len(hint),
-                                              regret=0.0 if regret is None else regret)
+                                              win_rate_hint=win_rate(hint, cfg.rewards) if hint else None,
+                                              plays=len(agent), hint_plays=len(hint), regret=regret)
             trajectories += [Trajectory(ep.sequence.token_ids, ep.sequence.loss_mask, ep.sequence.behaviour_logprobs,
                                         "agent", ep.reward, f"env{e}") for ep in mine if ep.trainable]
         for skill, returns in by_skill.items():
@@ -497,10 +499,10 @@ class _Actor:
         metrics = {"agent/episodes": float(played),
                    "agent/trained_episodes": float(len(trajectories)),
                    "agent/failed_episodes": float(failures),
-                   "agent/broken_plays": float(broken),
-                   "agent/turns": _mean([float(ep.turns) for ep in episodes])}
+                   "agent/broken_plays": float(broken)}
         if agent_returns:  # none when every play without the hint broke: nothing measured
             metrics["agent/return"] = _mean(agent_returns)
+            metrics["agent/turns"] = _mean(turns)  # the same plays: hint plays and broken ones are no measurement
             metrics["agent/win_rate"] = win_rate(agent_returns, cfg.rewards)
         if regrets:  # regret is measured by hint plays: without any (agent-only training) there is none to log
             metrics["designer/regret"] = _mean(regrets)
