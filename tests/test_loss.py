@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from spade_mega.config.schema import RLConfig
-from spade_mega.rl.loss import AGGREGATIONS, loss_normalizer, policy_loss, truncated_is_weights
+from spade_mega.rl.loss import AGGREGATIONS, KL_ESTIMATORS, loss_normalizer, policy_loss, truncated_is_weights
 
 T = torch.tensor
 CFG = RLConfig()
@@ -207,7 +207,7 @@ def loss_inputs(draw):
     ids = T(sorted(draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))))
     cfg = replace(CFG, loss_aggregation=draw(st.sampled_from(AGGREGATIONS)),
                   tis_level=draw(st.sampled_from(["token", "sequence"])),
-                  kl_estimator=draw(st.sampled_from(["k1", "k3"])),
+                  kl_estimator=draw(st.sampled_from(KL_ESTIMATORS)),
                   kl_coef=draw(st.sampled_from([0.0, 0.1])), entropy_coef=draw(st.sampled_from([0.0, 0.01])))
     return lp, old, adv, mask, rollout, ref, ent, ids, cfg
 

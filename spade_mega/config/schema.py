@@ -386,8 +386,14 @@ class RLConfig:
     tis_level: Literal["token", "sequence"] = "token"
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    # KL to a reference policy in the loss (verl's use_kl_loss, slime's --use-kl-loss): kl_coef x the per-token
+    # estimate of KL(current || reference), rl.loss.kl_to_reference: k1, k2, k3 (unbiased and >= 0: the default) or
+    # verl's low_var_kl (k3 clamped at 10). The reference: "initial" = the weights the run starts from
+    # (inference.hf_weights, else the seeded initialisation), or a spade-mega checkpoint or Hugging Face folder. Its
+    # weights are kept in host memory (docs/megatron.md, KL to a reference policy).
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    reference: str = "initial"
     entropy_coef: float = 0.0
     adv_std_normalize: bool = True  # agent advantages only; designer advantages are never divided by a std
     adv_eps: float = 1e-6
@@ -405,6 +411,7 @@ class RLConfig:
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             _require(value >= 0.0, f"rl.{name}", f"must be >= 0, got {value}")
+        _require(bool(self.reference), "rl.reference", "must be 'initial' or a checkpoint / Hugging Face folder")
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import KernelsConfig, RLConfig
-from spade_mega.rl.loss import SampleSums, policy_loss
+from spade_mega.rl.loss import SampleSums, kl_to_reference, policy_loss
 
 
 def _tp_group() -> Any:
@@ -46,17 +46,24 @@ class Objective:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, old_logprobs: torch.Tensor,
                  advantages: torch.Tensor, loss_mask: torch.Tensor, sample_ids: torch.Tensor, *,
                  rollout_logprobs: Optional[torch.Tensor], normalizer: float,
-                 sample_sums: Optional[SampleSums] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 sample_sums: Optional[SampleSums] = None, ref_logprobs: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss share of one packed micro-batch ([1, L] inputs, or a context-parallel shard of one with its
-        ``sample_sums``) and its metrics."""
+        ``sample_sums``) and its metrics: policy_loss's, and with ``ref_logprobs`` also ``kl_tokens``, the detached
+        per-token KL estimate ([L], 0 off the loss mask) that the train step splits by role."""
         logprobs, entropy = self.token_logprobs(logits, labels, loss_mask)
 
         def flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.reshape(-1)
 
-        return policy_loss(flat(logprobs), flat(old_logprobs), flat(advantages), flat(loss_mask), self.rl,
-                           rollout_logprobs=flat(rollout_logprobs), entropy=flat(entropy),
-                           sample_ids=flat(sample_ids), normalizer=normalizer, sample_sums=sample_sums)
+        loss, metrics = policy_loss(flat(logprobs), flat(old_logprobs), flat(advantages), flat(loss_mask), self.rl,
+                                    rollout_logprobs=flat(rollout_logprobs), ref_logprobs=flat(ref_logprobs),
+                                    entropy=flat(entropy), sample_ids=flat(sample_ids), normalizer=normalizer,
+                                    sample_sums=sample_sums)
+        if ref_logprobs is not None:
+            kl = kl_to_reference(flat(logprobs).detach().float(), flat(ref_logprobs).float(), self.rl.kl_estimator)
+            metrics["kl_tokens"] = torch.where(flat(loss_mask).bool(), kl, torch.zeros_like(kl))
+        return loss, metrics
 
 
 def select_objective(rl: RLConfig, kernels: KernelsConfig, temperature: float) -> Objective:

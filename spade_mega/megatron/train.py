@@ -51,6 +51,7 @@ from spade_mega.megatron.providers import (
     select_backend,
     transformer_config,
 )
+from spade_mega.megatron.reference import ReferencePolicy
 from spade_mega.rl.loss import SampleSums, loss_normalizer
 
 if TYPE_CHECKING:
@@ -83,9 +84,6 @@ class Trainer:
 
     def __init__(self, cfg: SpadeConfig, *, temperature: Optional[float] = None,
                  total_steps: Optional[int] = None) -> None:
-        if cfg.rl.kl_coef > 0:
-            raise ConfigError("rl.kl_coef", "the Megatron trainer keeps no reference model, so KL to a reference "
-                                            "policy is unavailable; set rl.kl_coef: 0 (the SPADE recipe's value)")
         self.cfg = cfg
         self.pending_save: Optional[PendingSave] = None  # a checkpoint being written in the background
         self.model_cfg = resolve_model_config(cfg.model)
@@ -130,6 +128,9 @@ class Trainer:
             cfg.rl, cfg.kernels, cfg.rollout.temperature if temperature is None else temperature)
         self.step = 0
         self._ps = ps
+        # rl.kl_coef > 0: the reference policy's weights, held in host memory (reference.py); unless a reference is
+        # loaded first (reference.prepare_reference), the weights of the first step
+        self.reference: Optional[ReferencePolicy] = ReferencePolicy(self) if cfg.rl.kl_coef > 0 else None
 
     # --- layout helpers ---------------------------------------------------------------------------------------
 
@@ -244,6 +245,16 @@ class Trainer:
 
         return [v[:, 0] for v in self._forward_collect(samples, 1, values_of)]
 
+    def reference_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """Per-token log-probs of every sample under the reference policy (``rl.kl_coef > 0``), aligned as
+        :meth:`logprobs`: its weights swapped into the model for the forward, the policy's swapped back exactly."""
+        if self.reference is None:
+            raise ConfigError("rl.kl_coef", "is 0: the trainer keeps no reference policy")
+        if not self.reference.ready:
+            self.reference.capture()
+        with self.reference.swapped_in():
+            return self.logprobs(samples)
+
     def logits(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Full-vocabulary logits [n, vocab] of every sample (row t: the distribution of token t given tokens[:t];
         row 0 is zero), gathered over tensor-parallel ranks, on every rank. For checks and conversions: it moves
@@ -281,7 +292,8 @@ class Trainer:
     def train_step(self, samples: Sequence[TrainSample]) -> StepResult:
         """One GRPO optimizer step over the global batch ``samples`` (the same list on every rank).
 
-        Samples without ``old_logprobs`` get them from a no-grad forward of the current weights first."""
+        Samples without ``old_logprobs`` get them from a no-grad forward of the current weights first; with
+        ``rl.kl_coef > 0``, samples without ``ref_logprobs`` from one of the reference's."""
         start = time.perf_counter()
         batch = samples_from(samples)
         self._check(batch)
@@ -289,6 +301,10 @@ class Trainer:
         if missing:
             for s, values in zip(missing, self.logprobs(missing)):
                 s.old_logprobs = values
+        without_ref = [s for s in batch if s.ref_logprobs is None] if self.reference is not None else []
+        if without_ref:
+            for s, values in zip(without_ref, self.reference_logprobs(without_ref)):
+                s.ref_logprobs = values
         aggregation = self.cfg.rl.loss_aggregation
         normalizer = sum(loss_normalizer(s.loss_mask[None], aggregation) for s in batch)
         if normalizer == 0:
@@ -301,6 +317,8 @@ class Trainer:
             (("entropy",) if self.objective.needs_entropy else ())
         sums = torch.zeros(2 + len(mean_keys), dtype=torch.float64)  # loss, loss tokens, weighted means
         peak = torch.zeros(1, dtype=torch.float64)
+        kl_sums = torch.zeros(2 * len(ROLES), dtype=torch.float64)  # per role: KL summed over loss tokens, tokens
+        roles = torch.tensor([ROLES.index(s.role) for s in batch])
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             device = logits.device
@@ -308,6 +326,7 @@ class Trainer:
                 logits, mb.labels.to(device), mb.old_logprobs.to(device), mb.advantages.to(device),
                 mb.loss_mask.to(device), mb.sample_ids.to(device),
                 rollout_logprobs=None if mb.rollout_logprobs is None else mb.rollout_logprobs.to(device),
+                ref_logprobs=None if self.reference is None else mb.ref_logprobs.to(device),
                 normalizer=float(normalizer), sample_sums=self._sample_sums(mb))
             n = float(metrics["num_tokens"])
             # a micro-batch without loss tokens adds nothing (the empty ones that keep data-parallel ranks in step
@@ -319,6 +338,13 @@ class Trainer:
                     sums[2 + k] += n * float(metrics[key])
                 if has_rollout:
                     peak[0] = max(float(peak[0]), float(metrics["tis_ratio_max"]))
+                if self.reference is not None:
+                    tokens = mb.loss_mask.reshape(-1)
+                    role = roles[mb.sample_ids.reshape(-1).clamp(min=0)]
+                    kl = metrics["kl_tokens"].detach().double().cpu()
+                    for r in range(len(ROLES)):
+                        kl_sums[2 * r] += kl[tokens & (role == r)].sum()
+                        kl_sums[2 * r + 1] += int((tokens & (role == r)).sum())
             return loss * scale, {}
 
         for chunk in self.model:
@@ -353,6 +379,11 @@ class Trainer:
                    "samples_designer": float(sum(s.role == "designer" for s in batch))}
         if has_rollout:
             metrics["tis_ratio_max"] = float(peak[0])
+        if self.reference is not None:  # per role only where the step had that role's loss tokens
+            dist.all_reduce(kl_sums)
+            metrics["kl"] = float(kl_sums[0::2].sum()) / max(float(kl_sums[1::2].sum()), 1.0)
+            metrics.update({f"kl_{role}": float(kl_sums[2 * r] / kl_sums[2 * r + 1])
+                            for r, role in enumerate(ROLES) if kl_sums[2 * r + 1] > 0})
         if aux is not None:
             metrics["moe_load_balancing_loss"] = aux
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)

@@ -39,6 +39,8 @@ from spade_mega.config.schema import RLConfig
 
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: a larger log-ratio is a broken token; clamping keeps exp and its grad finite
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOW_VAR_KL_LIMIT = 10.0  # verl's clamp of its low_var_kl (k3): a token past it adds a constant, no gradient
 
 
 def _flatten(loss_mask: torch.Tensor, sample_ids: Optional[torch.Tensor]) -> torch.Tensor:
@@ -117,6 +119,24 @@ def truncated_is_weights(
     return torch.where(mask, weight, zero), torch.where(mask, raw, zero)
 
 
+def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(current || reference) from the sampled tokens' log-probs (Schulman's estimators, as
+    verl names them), differentiable in ``logprobs``. With x = ref_logprobs - logprobs: ``k1`` -x (unbiased, but
+    negative on some tokens; its gradient does not depend on the reference at all), ``k2`` x^2 / 2 (biased, >= 0),
+    ``k3`` e^x - x - 1 (unbiased, >= 0, low variance: the GRPO paper's, the default), ``low_var_kl`` k3 clamped to
+    LOW_VAR_KL_LIMIT (verl's: a token that far from the reference stops pulling). x is clamped to
+    +-LOG_RATIO_LIMIT in k3 and low_var_kl so that e^x stays finite."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"rl.kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    x = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    k3 = torch.exp(x) - x - 1.0
+    return k3.clamp(max=LOW_VAR_KL_LIMIT) if estimator == "low_var_kl" else k3
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -141,7 +161,8 @@ def policy_loss(
     Metrics (detached 0-d tensors, means over this call's loss tokens; combine calls weighted by ``num_tokens``, and
     ``tis_ratio_max`` by max): ``pg_loss``, ``clip_frac`` (tokens whose clipped branch was taken), ``approx_kl``
     (k3 estimate of KL(old || current)), with rollout_logprobs ``tis_ratio_mean``/``tis_ratio_max`` (untruncated IS
-    ratio) and ``tis_truncated_frac``, with ref_logprobs ``kl_ref``, with entropy ``entropy``.
+    ratio) and ``tis_truncated_frac``, with ref_logprobs ``kl_ref`` (:func:`kl_to_reference`, ``rl.kl_estimator``), with
+    entropy ``entropy``.
     """
     if cfg.loss_aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.loss_aggregation must be one of {AGGREGATIONS}, got {cfg.loss_aggregation!r}")
@@ -190,12 +211,7 @@ def policy_loss(
 
     per_token = pg
     if ref_logprobs is not None:
-        ref = clean(ref_logprobs)
-        if cfg.kl_estimator == "k1":
-            kl = lp - ref
-        else:
-            ref_log_ratio = (ref - lp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-            kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        kl = kl_to_reference(lp, clean(ref_logprobs), cfg.kl_estimator)
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
         metrics["kl_ref"] = kl.detach()[mask].mean() if mask.any() else zero

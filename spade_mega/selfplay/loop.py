@@ -612,9 +612,11 @@ class SelfPlay:
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
              state: Optional[LoopState], stop: _StopSignal, metrics: MetricsLogger) -> RunSummary:
         from spade_mega.bridge import load_hf, sync_weights
+        from spade_mega.megatron.reference import prepare_reference
 
         cfg = self.cfg
         start = 0
+        prepare_reference(trainer, checkpoint)  # rl.kl_coef > 0: before a checkpoint replaces the initial weights
         if checkpoint is not None and state is not None:
             trainer.load(str(checkpoint))
             self.on_disk = trainer.step
@@ -726,10 +728,11 @@ class SelfPlay:
         # counts add up over every step; averages are over the applied ones (a skipped step's loss and grad norm, inf,
         # NaN or ~1e38, would hide the others: Megatron-LM leaves skipped iterations out of its averages too), over all
         # when none was applied (train/grad_norm NaN then says so)
-        for key in results[0].metrics:
+        for key in dict.fromkeys(key for res in results for key in res.metrics):  # some only where a step had them
             values = [res.metrics[key] for res in (results if key in _SUMMED else applied or results)
                       if key in res.metrics]
-            out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
+            if values:
+                out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
         out["train/tokens_per_s"] = out["train/tokens"] / max(out["train/step_time_s"], 1e-9)
         if gaps:  # engine vs trainer log-probs of the same tokens under the same weights: numerics, or a failed sync
             gap = torch.cat(gaps)

@@ -1,0 +1,163 @@
+"""The reference policy of the KL term (``rl.kl_coef > 0``), kept the way slime keeps it: no second model, but this
+rank's parameter shards of the reference weights in host memory (pinned on CUDA), exchanged with the model's own for
+the no-grad forward that gives the reference log-probs of a batch (same packing, micro-batches and parallel layout as
+the policy's forward), then exchanged back. Copies are exact, so the policy comes back bit for bit; the optimizer's
+main copies and moments are never touched. Cost: one more copy of the rank's parameter shards in host memory, one
+transient copy of one parameter on the device, one extra forward and two host <-> device copies of the shards per
+optimizer step.
+
+Which weights (``rl.reference``): ``initial`` is the weights the run starts from, ``inference.hf_weights`` or else the
+seeded initialisation; any other value names a spade-mega checkpoint (a step folder or a root) or a Hugging Face
+folder. A resumed run reads them again from that source before its checkpoint replaces the initial weights (never
+from the checkpoint), so its reference is the straight run's.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.errors import SpadeError
+
+if TYPE_CHECKING:
+    from spade_mega.megatron.train import Trainer
+
+INITIAL = "initial"
+
+
+class ReferencePolicy:
+    """This rank's shards of the reference weights, in host memory; taken from the model by :meth:`capture`."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self._params = [p for chunk in trainer.model for p in chunk.module.parameters()]
+        self._held: Optional[list[torch.Tensor]] = None
+
+    @property
+    def ready(self) -> bool:
+        return self._held is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the reference holds (this rank's parameter shards)."""
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    def capture(self) -> None:
+        """The model's current weights become the reference."""
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in self._params)
+        with torch.no_grad():
+            self._held = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin).copy_(p)
+                          for p in self._params]
+        self._synchronize()
+
+    def exchange(self) -> None:
+        """Swap the model's weights with the held ones, in place (the parameters keep their storage: Megatron's
+        DDP buffers and the optimizer's views of them stay valid)."""
+        if self._held is None:
+            raise RuntimeError("no reference weights captured yet")
+        with torch.no_grad():
+            for param, held in zip(self._params, self._held):
+                current = param.detach().clone()
+                param.copy_(held, non_blocking=True)
+                held.copy_(current, non_blocking=True)
+        self._synchronize()
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The reference weights in the model for the body; the policy's back afterwards, also on an error."""
+        self.exchange()
+        try:
+            yield
+        finally:
+            self.exchange()
+
+    def _synchronize(self) -> None:
+        if torch.cuda.is_available() and any(p.is_cuda for p in self._params):
+            torch.cuda.synchronize()
+
+
+def reference_source(cfg: SpadeConfig) -> tuple[str, Optional[str]]:
+    """The config field that names the reference weights, and their folder (None: the seeded initialisation)."""
+    if cfg.rl.reference != INITIAL:
+        return "rl.reference", cfg.rl.reference
+    return "inference.hf_weights", cfg.inference.hf_weights
+
+
+def prepare_reference(trainer: "Trainer", checkpoint: Optional[Path]) -> None:
+    """Give a just-built ``trainer`` the reference of its run, before any weights are loaded into it (collective).
+
+    A new run (``checkpoint`` None) with ``rl.reference: initial`` takes it at its first step, from the weights it
+    starts from. A run resuming from ``checkpoint`` re-reads the initial weights first: ``inference.hf_weights``, or
+    the seeded initialisation the trainer holds now, which depends on the parallel layout (a resume in another
+    layout is refused: name the initial weights instead). A named ``rl.reference`` folder is read either way."""
+    if trainer.reference is None:
+        return
+    field, folder = reference_source(trainer.cfg)
+    if folder is not None and (checkpoint is not None or field == "rl.reference"):
+        load_reference(trainer, folder, field=field)
+    elif checkpoint is not None:
+        _check_same_layout(trainer, checkpoint)
+        trainer.reference.capture()
+
+
+def _check_same_layout(trainer: "Trainer", checkpoint: Path) -> None:
+    from spade_mega.megatron.checkpoint import read_manifest, resolve_checkpoint
+
+    def model_parallel(layout: str) -> str:  # data parallelism does not change the initialisation
+        return re.sub(r"\s*DP\d+", "", layout)
+
+    saved = read_manifest(resolve_checkpoint(checkpoint)).get("layout")
+    current = trainer.layout.describe()
+    if saved is not None and model_parallel(saved) != model_parallel(current):
+        raise ConfigError("rl.reference", f"'initial' is the seeded initialisation here (no inference.hf_weights), "
+                                          f"which depends on the parallel layout: {checkpoint} was trained in "
+                                          f"{saved}, this run is {current}, so the reference would not be the "
+                                          "run's initial weights. Resume in the checkpoint's layout, or save the "
+                                          "initial weights (a checkpoint of step 0, or convert to-hf) and name "
+                                          "them in rl.reference")
+
+
+def load_reference(trainer: "Trainer", folder: str, *, field: str = "rl.reference") -> None:
+    """Make the weights of ``folder`` (a spade-mega checkpoint, any layout, or a Hugging Face folder) the trainer's
+    reference, leaving its own weights as they are (collective). Only before the first optimizer step: reading a
+    folder goes through the model and refreshes the optimizer's main copies from it. ``field`` names the config key
+    in errors."""
+    reference = trainer.reference
+    if reference is None:
+        raise RuntimeError("the trainer keeps no reference (rl.kl_coef is 0)")
+    if trainer.step != 0:
+        raise RuntimeError(f"a reference is loaded before the first optimizer step (the trainer is at step "
+                           f"{trainer.step})")
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(field, f"{folder}: no such folder (the reference policy's weights: a spade-mega checkpoint "
+                                 "or a Hugging Face folder)")
+    if not reference.ready:
+        reference.capture()
+    reference.exchange()  # the policy is held, the model free to be read into
+    try:
+        _read_weights(trainer, path)
+    except SpadeError as exc:
+        raise ConfigError(field, f"cannot be read as the reference policy: {exc}") from None
+    finally:
+        reference.exchange()  # the policy back; the reference (read, or on an error the previous one) held
+    trainer.optimizer.reload_model_params()
+
+
+def _read_weights(trainer: "Trainer", path: Path) -> None:
+    """The weights of ``path`` into the model only: the step count and the schedule stay the trainer's."""
+    if (path / "config.json").is_file():
+        from spade_mega.bridge import load_hf
+
+        load_hf(trainer, path)
+        return
+    step, schedule = trainer.step, trainer.scheduler.state_dict()
+    trainer.load(str(path), weights_only=True)
+    trainer.step = step
+    trainer.scheduler.num_steps = 0  # Megatron's load adds the saved count to the current one
+    trainer.scheduler.load_state_dict(schedule)

@@ -1,0 +1,81 @@
+"""The KL estimators of rl.kl_estimator by hand (values and gradients, as verl defines them), their term in the GRPO
+loss, and the rl.reference / rl.kl_estimator settings refused by name. The trainer side (the reference policy kept in
+host memory, swapped in for its log-probs) is tests/megatron/test_megatron_kl.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from spade_mega.config import load_config
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.schema import RLConfig
+from spade_mega.megatron.reference import reference_source
+from spade_mega.rl.loss import KL_ESTIMATORS, LOW_VAR_KL_LIMIT, kl_to_reference, policy_loss
+
+TINY = "examples/configs/tiny_cpu.yaml"
+
+
+def estimate(estimator: str, lp: float, ref: float) -> tuple[float, float]:
+    """The estimate and its derivative in the current log-prob."""
+    x = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
+    value = kl_to_reference(x, torch.tensor(ref, dtype=torch.float64), estimator)
+    value.backward()
+    return float(value.detach()), float(x.grad)
+
+
+@pytest.mark.parametrize("estimator, value, derivative", [
+    ("k1", math.log(2), 1.0),  # lp - ref
+    ("k2", 0.5 * math.log(2) ** 2, math.log(2)),  # (lp - ref)^2 / 2
+    ("k3", 0.5 + math.log(2) - 1, 1 - 0.5),  # e^(ref-lp) - (ref-lp) - 1
+    ("low_var_kl", 0.5 + math.log(2) - 1, 1 - 0.5),  # k3 below its clamp
+])
+def test_estimators_by_hand(estimator: str, value: float, derivative: float) -> None:
+    got = estimate(estimator, math.log(0.5), math.log(0.25))
+    assert got == (pytest.approx(value), pytest.approx(derivative))
+
+
+def test_low_var_kl_stops_pulling_past_its_clamp_and_k3_does_not() -> None:
+    k3 = estimate("k3", 0.0, -15.0)
+    assert k3 == (pytest.approx(math.exp(-15) + 14), pytest.approx(1 - math.exp(-15)))
+    assert estimate("low_var_kl", 0.0, -15.0) == (LOW_VAR_KL_LIMIT, 0.0)
+
+
+def test_every_estimator_is_zero_with_no_gradient_but_k1s_at_the_reference() -> None:
+    for estimator in KL_ESTIMATORS:
+        value, derivative = estimate(estimator, -1.3, -1.3)
+        assert value == 0.0 and derivative == (1.0 if estimator == "k1" else 0.0), estimator
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_the_loss_adds_kl_coef_times_the_token_mean_estimate(estimator: str) -> None:
+    """Zero advantages: the loss is the KL term alone, kl_coef x the mean estimate over the loss tokens (the token
+    off the mask, with a wild reference, adds nothing)."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.2), -0.1]], dtype=torch.float64)
+    ref = torch.tensor([[math.log(0.25), math.log(0.3), -40.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    cfg = replace(RLConfig(), kl_coef=0.25, kl_estimator=estimator)
+    loss, metrics = policy_loss(lp, lp, torch.zeros_like(lp), mask, cfg, ref_logprobs=ref)
+    per_token = kl_to_reference(lp[0, :2], ref[0, :2], estimator)
+    assert float(metrics["kl_ref"]) == pytest.approx(float(per_token.mean()))
+    assert float(loss) == pytest.approx(0.25 * float(per_token.mean()))
+
+
+def test_an_unknown_estimator_and_an_empty_reference_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"rl\.kl_estimator: expected one of 'k1', 'k2', 'k3', 'low_var_kl'"):
+        load_config(TINY, ["rl.kl_estimator=k4"])
+    with pytest.raises(ConfigError, match=r"rl\.reference"):
+        load_config(TINY, ["rl.reference=''"])
+    with pytest.raises(ValueError, match="rl.kl_estimator must be one of"):
+        kl_to_reference(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_the_reference_is_the_runs_initial_weights_unless_a_folder_is_named() -> None:
+    assert reference_source(load_config(TINY)) == ("inference.hf_weights", None)  # the seeded initialisation
+    assert reference_source(load_config(TINY, ["inference.hf_weights=/models/base"])) == \
+        ("inference.hf_weights", "/models/base")
+    assert reference_source(load_config(TINY, ["inference.hf_weights=/models/base", "rl.reference=/models/sft"])) == \
+        ("rl.reference", "/models/sft")
