@@ -1,7 +1,8 @@
 """Context parallelism in the GRPO train step: the row layout it needs (segments padded to 2*CP, load-balanced
-shards), and one step on two CP ranks (gloo) equal to one process: loss, metrics, log-probs before and after, updated
-weights, with sequence-level truncated IS, the seq-mean-token-mean aggregation and the entropy bonus (the per-sample
-quantities a shard cannot compute alone), full recompute, and the MoE load-balancing loss over padded rows."""
+shards), and one step on two CP ranks (gloo), alone (with full recompute), with TP2 + sequence parallelism and with
+PP2, equal to one process: loss, metrics, log-probs before and after, updated weights, with sequence-level truncated
+IS, the seq-mean-token-mean aggregation and the entropy bonus (the per-sample quantities a shard cannot compute
+alone), and the MoE load-balancing loss over padded rows."""
 
 from __future__ import annotations
 
@@ -58,28 +59,50 @@ def test_the_budget_is_per_rank_and_a_sample_counts_with_its_padding() -> None:
     assert pack(batch([16]), token_budget=8, length_multiple=4, context=2).micro_batches[0][0].length == 16
 
 
+LAYOUTS = {  # tag: (processes, overrides); a row holds 16 x 2 tokens in each
+    "cp2": (2, ["parallel.recompute=full"]),
+    "cp2_tp2_sp": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    "cp2_pp2": (4, ["parallel.pipeline=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six samples of 5-14 tokens in three rows; under CP each sample is padded to a multiple of 4 (17% of the row
+    positions), one process has no padding; the budgets (26 for one process, 16 per rank for two CP ranks) give both
+    the same rows, so the MoE load-balancing loss is compared on the same compositions."""
+    out = tmp_path_factory.mktemp("context")
+    run_worker(1, "step", out, "--tag", "ref", "--weights", "parallel.max_tokens_per_gpu=26", *PER_SAMPLE,
+               worker=WORKER)
+    for tag, (nproc, overrides) in LAYOUTS.items():
+        weights = ["--weights"] if tag == "cp2" else []  # CP alone: every rank holds all weights
+        run_worker(nproc, "step", out, "--tag", tag, *weights, "--load", str(out / "init"), "parallel.context=2",
+                   "parallel.max_tokens_per_gpu=16", *overrides, *PER_SAMPLE, worker=WORKER)
+    return out
+
+
 @pytest.mark.multiproc
-def test_a_cp2_step_equals_one_process(tmp_path: Path) -> None:
-    """Six samples of 5-14 tokens in three rows; under CP2 each sample is padded to a multiple of 4 (17% of the row
-    positions), one process has no padding; the budgets (26 for one process, 16 per rank for two) give both the same
-    rows, so the MoE load-balancing loss is compared on the same compositions."""
-    run_worker(1, "step", tmp_path, "--tag", "ref", "--weights", "parallel.max_tokens_per_gpu=26", *PER_SAMPLE,
-               worker=WORKER)
-    run_worker(2, "step", tmp_path, "--tag", "cp2", "--weights", "--load", str(tmp_path / "init"),
-               "parallel.context=2", "parallel.max_tokens_per_gpu=16", "parallel.recompute=full", *PER_SAMPLE,
-               worker=WORKER)
-    want, got = read_json(tmp_path / "ref.json"), read_json(tmp_path / "cp2.json")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_context_parallel_step_equals_one_process(runs: Path, layout: str) -> None:
+    want, got = read_json(runs / "ref.json"), read_json(runs / f"{layout}.json")
     assert got["rows"] == want["rows"] == [[[0, 1], [2, 3, 4], [5]]]
     assert want["padding"] == [0] and got["padding"] == [11], "the comparison must include padded segments"
     assert want["step"]["clip_frac"] > 0 and want["step"]["tis_ratio_mean"] != 1.0
     for key in COMPARED:
         w, g = want["step"][key], got["step"][key]
-        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} under CP2, {w!r} in one process"
-    logprobs = {tag: torch.load(tmp_path / f"{tag}_logprobs.pt") for tag in ("ref", "cp2")}
+        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{layout}: {key} = {g!r}, {w!r} in one process"
+    logprobs = {tag: torch.load(runs / f"{tag}_logprobs.pt") for tag in ("ref", layout)}
+    # the log-probs after the step are those of the updated weights
     for when in ("before", "after"):
-        for i, (w, g) in enumerate(zip(logprobs["ref"][when], logprobs["cp2"][when])):
-            assert w.shape == g.shape and float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step"
-    reference, weights = torch.load(tmp_path / "ref_weights.pt"), torch.load(tmp_path / "cp2_weights.pt")
+        for i, (w, g) in enumerate(zip(logprobs["ref"][when], logprobs[layout][when])):
+            assert w.shape == g.shape and float((w - g).abs().max()) < 1e-5, \
+                f"{layout}: sample {i}: log-probs {when} the step differ from one process"
+    assert any(not torch.equal(a, b) for a, b in zip(logprobs["ref"]["before"], logprobs["ref"]["after"]))
+
+
+@pytest.mark.multiproc
+def test_cp2_updates_the_weights_as_one_process(runs: Path) -> None:
+    reference, weights = torch.load(runs / "ref_weights.pt"), torch.load(runs / "cp2_weights.pt")
     assert weights["after"].keys() == reference["after"].keys()
     for name, w in reference["after"].items():
         assert torch.equal(weights["before"][name], reference["before"][name]), f"{name}: not the same start"
@@ -89,7 +112,6 @@ def test_a_cp2_step_equals_one_process(tmp_path: Path) -> None:
         assert update.norm() > 0, f"{name} did not move: the comparison would prove nothing"
         update_err = float((weights["after"][name] - weights["before"][name] - update).norm() / update.norm())
         assert update_err < 1e-3, f"the update of {name} differs by {update_err:.2e} of its size"
-    assert any(not torch.equal(a, b) for a, b in zip(logprobs["ref"]["before"], logprobs["ref"]["after"]))
 
 
 def test_a_rollout_context_no_row_holds_is_refused_before_any_rollout() -> None:
