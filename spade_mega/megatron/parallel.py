@@ -68,7 +68,9 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
     etp = parallel.expert_tensor or tp
     vpp = parallel.virtual_pipeline
     dense = tp * pp * cp
-    _require(world_size % dense == 0, "parallel.tensor",
+    # named by the context size when TP x PP alone would tile the world: the key the user has to change
+    culprit = "parallel.context" if cp > 1 and world_size % (tp * pp) == 0 else "parallel.tensor"
+    _require(world_size % dense == 0, culprit,
              f"parallel.tensor x parallel.pipeline x parallel.context = {tp} x {pp} x {cp} = {dense} must divide "
              f"the world size ({world_size} processes)")
     sparse = etp * ep * pp

@@ -127,3 +127,19 @@ def test_a_rollout_context_no_row_holds_is_refused_before_any_rollout() -> None:
                                           r"\(a row is parallel.context x") as error:
         _check_context(load_config(None, ["parallel.context=2", "parallel.max_tokens_per_gpu=16383"]))
     assert error.value.path == "parallel.max_tokens_per_gpu"
+
+
+def test_context_parallel_layouts_and_their_row_multiples() -> None:
+    from spade_mega.config import ConfigError
+    from spade_mega.config.schema import ModelConfig, ParallelConfig
+    from spade_mega.megatron import resolve_layout
+    from spade_mega.megatron.batch import row_length_multiple
+
+    both = resolve_layout(ParallelConfig(context=2, tensor=2, sequence_parallel=True), ModelConfig(), 4)
+    assert (both.context, both.data) == (2, 1) and both.describe() == "TP2+SP PP1 CP2 EP1 ETP2 DP1"
+    # each CP rank two equal chunks of every segment; its share of a row a multiple of TP under SP
+    assert row_length_multiple(1, 2) == 4 and row_length_multiple(2, 2, True) == 4
+    assert row_length_multiple(4, 2, True) == 8 and row_length_multiple(2, 1, True) == 2 and row_length_multiple() == 1
+    with pytest.raises(ConfigError) as err:  # TP x PP would tile 4 processes: CP is the size to change
+        resolve_layout(ParallelConfig(context=3), ModelConfig(), 4)
+    assert err.value.path == "parallel.context" and "divide the world size (4 processes)" in str(err.value)
