@@ -8,7 +8,8 @@ Results go to --out as JSON and .pt files that tests/megatron/test_megatron_kl.p
             check: a step with the KL term against a step without it whose advantages carry the KL's derivative
   resumed   one process: what cannot be a reference is refused; a run resumed from the straight run's checkpoint
             (prepare_reference, then its load): the reference log-probs of A, the steps on C and A; one whose initial
-            weights are the straight run's as a Hugging Face folder (inference.hf_weights): the reference log-probs
+            weights are the straight run's as a Hugging Face folder (inference.hf_weights): the reference log-probs;
+            a new run whose rl.reference names the straight run's step-2 checkpoint: its policy and reference
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def scenario_straight(args) -> None:
     result["step2"] = trainer.train_step(make_batch(2)).metrics
     if args.init is None:
         trainer.save(str(args.out / "straight"))
+        result["step2_logprobs"] = as_lists(trainer.logprobs(batch))
     result["step3"] = trainer.train_step(make_batch(3)).metrics
     before = weights(trainer)
     result["policy_logprobs"] = as_lists(trainer.logprobs(batch))
@@ -155,6 +157,13 @@ def scenario_resumed(args) -> None:
     prepare_reference(from_hf, checkpoint)  # another seed: only the folder can give the initial weights back
     from_hf.load(str(checkpoint))
     result["hf_reference_logprobs"] = as_lists(from_hf.reference_logprobs(batch))
+    named = Trainer(config([*args.overrides, f"rl.reference={checkpoint}"]))  # a new run, a step-2 reference
+    schedule = (named.scheduler.num_steps, named.optimizer.param_groups[0]["lr"])
+    prepare_reference(named, None)
+    result["named"] = {"step": named.step, "schedule_kept": schedule == (named.scheduler.num_steps,
+                                                                         named.optimizer.param_groups[0]["lr"]),
+                       "policy_logprobs": as_lists(named.logprobs(batch)),
+                       "reference_logprobs": as_lists(named.reference_logprobs(batch))}
     result["loop"] = loop_metrics(from_hf, args)
     write_json(args.out / f"{args.tag}.json", result)
 

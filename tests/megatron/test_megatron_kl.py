@@ -81,6 +81,16 @@ def test_a_resumed_run_keeps_the_straight_runs_reference(runs) -> None:
         assert got == want, step
 
 
+def test_a_checkpoint_named_as_reference_leaves_the_policy_step_and_schedule_alone(runs) -> None:
+    """rl.reference naming a later checkpoint (step 2) in a new run: the reference is that checkpoint's policy, the
+    trainer keeps its own initial weights, step 0 and its schedule (the checkpoint's step and schedule not taken)."""
+    _, straight, resumed = runs
+    named = resumed["named"]
+    assert named["reference_logprobs"] == straight["step2_logprobs"]
+    assert named["policy_logprobs"] == straight["initial_logprobs"]
+    assert named["step"] == 0 and named["schedule_kept"]
+
+
 def test_what_cannot_be_a_reference_is_refused_naming_the_field(runs) -> None:
     _, _, resumed = runs
     refused = resumed["refused"]
