@@ -2,7 +2,8 @@
 tiny Megatron model on gloo, environment programs in sandbox workers): the same run with and without it logs the same
 metrics and ends with the same checkpoint, tensor for tensor; the write's duration is logged when a save completes;
 keep_checkpoints and the loop states count completed saves only; a run that fails while a save is being written leaves
-it incomplete and the previous checkpoint the newest."""
+it incomplete (its writer stopped, its files removed) and the previous checkpoint the newest; a save that fails (a full
+disk) stops the run with an error saying how to go on, its data kept."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import torch
 from sandbox_support import strict_missing
 
 from spade_mega.config.loader import load_config
-from spade_mega.megatron.checkpoint import MANIFEST
 from spade_mega.selfplay.loop import SelfPlay
 from spade_mega.selfplay.state import CheckpointStore
 
@@ -104,8 +104,8 @@ def test_a_run_failing_while_its_save_is_written_leaves_it_incomplete_and_the_pr
     assert [r for r, record in _records(run_dir).items() if "time/checkpoint_write_s" in record] == [2]
     store = CheckpointStore(run_dir)
     assert store.latest() == store.root / "step_00000001" and store.read_state(store.latest()).rollout == 1
-    partial = list(store.root.glob(".step_00000002.partial-*"))
-    assert len(partial) == 1 and not (partial[0] / MANIFEST).exists()
+    # its writer was stopped rather than waited for, and its files removed: it could never be completed
+    assert not list(store.root.glob(".step_00000002*")) and not (store.root / "step_00000002").exists()
     assert any(f"{store.root / 'step_00000002'}: not completed" in r.getMessage() for r in caplog.records)
 
 
@@ -131,3 +131,49 @@ def test_a_run_stopped_by_sigusr1_while_its_save_is_written_completes_it_and_sav
     assert store.read_state(store.latest()).rollout == 3
     assert sorted(p.name for p in store.root.iterdir()) == ["selfplay", store.latest().name]  # no partial folder
     assert sorted(p.name for p in store.states.iterdir()) == [f"{store.latest().name}.json"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_save_fails_on_a_full_disk_stops_keeping_its_data_and_says_how_to_go_on(tmp_path: Path) -> None:
+    """The checkpoints on a small tmpfs that fills during rollout 2: its save fails (the loop state or the checkpoint,
+    for real), the run stops with an error naming the folder, the free space it needs and the checkpoint a rerun
+    resumes from; rollout 2's metrics are logged, the transcripts stay, the first checkpoint is untouched."""
+    import subprocess
+
+    from spade_mega.megatron.checkpoint import CheckpointError
+    from spade_mega.monitor.transcripts import rollouts_written
+
+    run_dir = tmp_path / "full"
+    disk = CheckpointStore(run_dir).root
+    disk.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "spade-test", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a tmpfs cannot be mounted here (needs CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    train = SelfPlay._train
+
+    def disk_fills_in_rollout_2(self: SelfPlay, trainer, samples, r):  # type: ignore[no-untyped-def]
+        if r == 2:  # something else on the disk takes all of its space but a few KiB
+            with open(disk / "filler", "wb") as f:
+                stat = os.statvfs(disk)
+                f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 8192))
+        return train(self, trainer, samples, r)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SelfPlay, "_train", disk_fills_in_rollout_2)
+            with pytest.raises(CheckpointError) as failed:
+                SelfPlay(_config(tmp_path, "full", "selfplay.save_interval=1")).run()
+        store = CheckpointStore(run_dir)
+        first = store.latest()
+        assert first is not None and store.read_state(first).rollout == 1
+        message = str(failed.value)
+        assert "No space left on device" in message, message
+        assert f"The run stopped after rollout 2; its metrics and transcripts so far stay in {run_dir}. Free space " \
+               f"on {disk} (or make it writable) and run the same command again: it resumes from {first.name}" \
+               in message, message
+        assert sorted(_records(run_dir)) == [1, 2]
+        assert rollouts_written(run_dir) == [1, 2]
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "selfplay", first.name]  # no partial folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)

@@ -8,6 +8,14 @@ folder that loading refuses and the next save removes (a same-step checkpoint be
 deleted, until its replacement is in place; a step folder without a manifest, which no save wrote, is never
 replaced). The newest checkpoint is found by scanning (no ``latest`` pointer that could disagree with the folders).
 
+A save that fails (a full disk, a read-only folder, a writer killed) fails on every rank alike, naming the failing
+rank and its error: each step that one rank runs alone (rank 0's folder operations and the completion: torch's
+``.metadata``, Megatron's ``metadata.json``, the manifest, the rename, pruning) and each rank's own write end in one
+agreement over all ranks (a gather or broadcast that every rank reaches, failed or not). Megatron completes a save
+itself with collectives *around* its coordinator's writes, so a failure there on rank 0 left the other ranks in a
+broadcast or barrier until the collective timeout; :class:`_SaveFiles` completes it instead. A failed save's partial
+folder is removed (it can never be completed: its space is what a full disk needs back), the earlier checkpoints stay.
+
 The optimizer state is saved ``fully_reshardable`` (per parameter, not as Megatron's internal flat buffers), which is
 what lets a different layout load it; before the first update there is no optimizer state and only the model is saved.
 """
@@ -15,6 +23,7 @@ what lets a different layout load it; before the first update there is no optimi
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -143,25 +152,29 @@ def _reading(path: Path) -> contextlib.AbstractContextManager[None]:
                                            "match this model; load another checkpoint")
 
 
+def _cannot_write(path: Path) -> Callable[[str], str]:
+    return lambda failure: f"{path}: cannot save a checkpoint there ({failure}); no earlier checkpoint was removed"
+
+
 def _writing(path: Path) -> contextlib.AbstractContextManager[None]:
-    return _storage_errors(lambda failure: f"{path}: cannot save a checkpoint there ({failure}); no earlier "
-                                           "checkpoint was removed")
+    return _storage_errors(_cannot_write(path))
 
 
-def _on_rank0(action: Callable[[], T], path: Path) -> T:
+def _on_rank0(action: Callable[[], T], message: Callable[[str], str]) -> T:
     """``action``'s result on every rank, run by rank 0 alone (the folder operations of a save); if it fails, every
-    rank raises the same CheckpointError, where a failure on rank 0 alone would leave the others waiting in the next
-    collective."""
+    rank raises the same CheckpointError (``message`` of the failure, or the CheckpointError ``action`` raised), where
+    a failure on rank 0 alone would leave the others waiting in the next collective."""
     outcome: list[Any] = [None, None]
+    error: Optional[CheckpointError] = None
     if dist.get_rank() == 0:
         try:
-            with _writing(path):
+            with _storage_errors(message):
                 outcome = [action(), None]
         except CheckpointError as exc:
-            outcome = [None, str(exc)]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
+            error, outcome = exc, [None, str(exc)]
     dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
     if outcome[1] is not None:
         raise CheckpointError(outcome[1])
     return outcome[0]
@@ -313,7 +326,8 @@ class _ResultsFile:
             self.finished_at, item = pickle.loads(self.path.read_bytes())
         except FileNotFoundError:
             raise queue.Empty from None
-        self.path.unlink()
+        with contextlib.suppress(OSError):  # a folder turned read-only: the completion's own write says so
+            self.path.unlink()
         return item
 
 
@@ -348,7 +362,7 @@ def _begin_save(trainer: "Trainer", root: Path, keep: Optional[int],
         partial.mkdir()
         return partial
 
-    partial = _on_rank0(start, root)
+    partial = _on_rank0(start, _cannot_write(root))
     with_optimizer = _optimizer_has_state(trainer)
     manifest = {"format": FORMAT_VERSION, "step": trainer.step, "optimizer_state": with_optimizer,
                 "distributed_optimizer": trainer.cfg.optimizer.distributed, "layout": trainer.layout.describe(),
@@ -363,7 +377,11 @@ def _begin_save(trainer: "Trainer", root: Path, keep: Optional[int],
         if final.exists():  # the same step saved before: replace it only now that the new one is complete
             old = root / f".{final.name}.replaced-{uuid.uuid4().hex[:12]}"
             os.rename(final, old)
-            os.rename(partial, final)
+            try:
+                os.rename(partial, final)
+            except OSError:
+                os.rename(old, final)  # the replaced checkpoint back in place: the failed save leaves it as it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(partial, final)
@@ -375,68 +393,189 @@ def _begin_save(trainer: "Trainer", root: Path, keep: Optional[int],
     return partial, state, finish
 
 
+@functools.cache
+def _plan_keeping_strategy() -> type:
+    """Megatron-Core's ``torch_dist`` save strategy, keeping its plan (the storage writer, the global metadata on the
+    coordinator, the process group's wrapper) for :class:`_SaveFiles`, which completes the save in Megatron's stead."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class PlanKeeping(TorchDistSaveShardedStrategy):  # type: ignore[misc]
+        plan: Optional[tuple[Any, Any, Any]] = None
+
+        def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any, async_strategy: Any) -> Any:
+            self.plan = save_state_dict_ret
+            return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, async_strategy)
+
+    return PlanKeeping
+
+
+def _write_files(transforms: list[Any], rank: int, buckets: list[Any], results: Any) -> None:
+    """This rank's files of a save, one per bucket, each by Megatron's own file writer, then the results (or the first
+    failure, as raised) to ``results``; never raises. In place of Megatron's wrapper, which reported a file that
+    failed (a full disk) as 'error: <class 'OSError'>', the error itself only in its log, and whose thread workers'
+    failures escaped it with no results: a foreground save then raised on that rank alone, its peers waiting."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    written: dict[int, Any] = {}
+    try:
+        for i, bucket in enumerate(buckets):
+            _, output = FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, None, None, True)
+            if isinstance(output, BaseException):
+                results.put(output)
+                return
+            written[i] = output
+    except Exception as exc:
+        results.put(exc)
+        return
+    results.put(written)
+
+
+def _writer_failure(writer: Any) -> Optional[str]:
+    """How a background writer process that did not return ended: a signal (SIGKILL is the kernel's OOM killer unless
+    someone sent it) or an exit status; None if it returned (or none was started)."""
+    code = None if writer is None else writer.exitcode
+    if not code:
+        return None
+    if code > 0:
+        return (f"its background writer (pid {writer.pid}) exited with status {code} before reporting its files (its "
+                "error is in this rank's log)")
+    name = signal.Signals(-code).name
+    why = (": the kernel's OOM killer, unless someone sent it (see dmesg); the writer's copy-on-write pages grow as "
+           "training changes the weights it saves, so the host needs up to the rank's state again in free memory"
+           if -code == signal.SIGKILL else "")
+    return f"its background writer (pid {writer.pid}) was killed by {name}{why}"
+
+
+class _SaveFiles:
+    """One save's files: planned by Megatron-Core (``dist_checkpointing.save``, a collective), written by each rank
+    (:meth:`write_here`, or a forked writer), then made the checkpoint by :meth:`complete`, one agreement of all ranks
+    in place of Megatron's completion."""
+
+    def __init__(self, state: dict[str, Any], partial: Path, final: Path, finish: Callable[[], None], results: Any,
+                 *, background: bool) -> None:
+        from megatron.core import dist_checkpointing
+
+        strategy = _plan_keeping_strategy()()
+        with _writing(final.parent):
+            # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
+            request = dist_checkpointing.save(state, str(partial), sharded_strategy=strategy, async_sharded_save=True,
+                                              async_strategy="mcore")
+        self.writer, self.metadata, self.group = strategy.plan
+        self.config = (strategy.backend, strategy.version)
+        write = None if request.async_fn is None else functools.partial(_write_files, request.async_fn.args[0])
+        if write is not None and background:
+            write = _dying_with_trainer(write)
+        self.request = request._replace(async_fn=write, finalize_fns=[])
+        self.partial, self.final, self.results, self.background = partial, final, results, background
+        self._finish = finish
+        self.started = time.time()
+
+    def write_here(self) -> Optional[str]:
+        """This rank's files, written in this process; what failed (None: the results are in ``results``)."""
+        try:
+            args = list(self.request.async_fn_args)
+            if self.request.preload_fn is not None:  # device to host
+                args[1] = self.request.preload_fn()
+            if self.request.async_fn is not None:
+                self.request.async_fn(*args, **self.request.async_fn_kwargs)
+        except Exception as exc:
+            return _failure(exc)
+        return None
+
+    def _left(self) -> str:
+        where = "its partial folder was removed" if not self.partial.exists() else \
+            f"its files are left in the hidden folder {self.partial.name}: loading refuses it, the next save removes it"
+        return f"it was not completed ({where}), the previous checkpoint stays the newest"
+
+    def complete(self, failure: Optional[str]) -> float:
+        """Make the written files the checkpoint, on every rank (collective). Each rank's write results, or its
+        ``failure``, are gathered on rank 0, which writes torch's ``.metadata``, Megatron's ``metadata.json`` and the
+        manifest and renames the folder; one failure anywhere (a rank's write, a step of rank 0's) is raised on every
+        rank, naming the rank and its error, with the partial folder removed. Returns the seconds the slowest rank's
+        background write took (by its writer's clock, see :class:`_ResultsFile`; 0 for a foreground one)."""
+        from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+        results = None
+        if failure is None:
+            try:  # a list, or torch's wrapped exception (exception, trace); reading a writer's file may fail too
+                results = self.writer.retrieve_write_results()
+            except Exception as exc:
+                results = (exc, None)
+            if not isinstance(results, list):
+                failure = _failure(results[0].__cause__ or results[0])
+        ended = getattr(self.results, "finished_at", None)
+        took = max(0.0, ended - self.started) if ended is not None else 0.0
+        gathered = self.group.gather_object((failure, results if failure is None else None, took))
+        what = "the background write of this checkpoint" if self.background else "the write of this checkpoint"
+
+        def completion() -> float:
+            failed = [f"rank {rank}: {error}" for rank, (error, _, _) in enumerate(gathered) if error is not None]
+            try:
+                if not failed:
+                    self.writer.finish(self.metadata, [written for _, written, _ in gathered])
+                    save_config(CheckpointingConfig(*self.config), str(self.partial))
+                    self._finish()
+                    return max(took for _, _, took in gathered)
+            except BaseException:
+                shutil.rmtree(self.partial, ignore_errors=True)
+                raise
+            shutil.rmtree(self.partial, ignore_errors=True)
+            raise CheckpointError(f"{self.final}: {what} failed ({'; '.join(failed)}); {self._left()}")
+
+        return _on_rank0(completion, lambda failure: f"{self.final}: the completion of this checkpoint failed (rank 0: "
+                                                     f"{failure}); {self._left()}")
+
+
 def save_checkpoint(trainer: "Trainer", root: str | Path, *, keep: Optional[int] = None,
                     tokenizer_assumed_for: Optional[str] = None) -> Path:
-    """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it).
+    """Save the trainer at its current step as ``root/step_<N>``; collective (every rank calls it). A failure on any
+    rank raises the same CheckpointError on every rank (see the module's docstring).
 
     ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints. ``tokenizer_assumed_for``: the
     Hugging Face folder (without tokenizer files) whose weights these are, taken to use ``model.tokenizer``
     unchecked (convert from-hf); the manifest's tokenizer records it as ``assumed_for``."""
-    from megatron.core import dist_checkpointing
-
     root = Path(root)
     partial, state, finish = _begin_save(trainer, root, keep, tokenizer_assumed_for)
-    _write_results_to(queue.Queue())
-    with _writing(root):
-        dist_checkpointing.save(state, str(partial))
-    dist.barrier()
-    _on_rank0(finish, root)
-    return step_dir(root, trainer.step)
+    results: queue.Queue[Any] = queue.Queue()
+    _write_results_to(results)
+    files = _SaveFiles(state, partial, step_dir(root, trainer.step), finish, results, background=False)
+    files.complete(files.write_here())
+    return files.final
 
 
 class PendingSave:
     """A checkpoint whose files are being written by a forked process on each rank (Megatron-Core's asynchronous
-    save: ``async_sharded_save`` with its filesystem writer, the process started by its TemporalAsyncCaller).
+    save: its filesystem writer's files, the process started by its TemporalAsyncCaller).
 
     The fork holds the state as it was when the save started: on a GPU Megatron first copies the tensors to host
     memory; on the host the fork's copy-on-write pages are that copy (later updates change the trainer's pages, not
     the fork's). Until :meth:`finish` completes it on every rank the checkpoint is a hidden partial folder: not the
     newest for a resume, not counted by ``keep``; a job killed meanwhile resumes from the previous checkpoint."""
 
-    def __init__(self, path: Path, calls: Any, results: Optional[_ResultsFile], finish: Callable[[], None]) -> None:
-        self.path = path  # the step folder it becomes
-        self._calls, self._results, self._finish = calls, results, finish
-        self._started = time.time()
+    def __init__(self, files: _SaveFiles, calls: Any, writer: Any) -> None:
+        self.path = files.final  # the step folder it becomes
+        self._files, self._calls, self._writer = files, calls, writer
 
     def finish(self, *, wait: bool) -> Optional[float]:
         """Complete the checkpoint once its files are written on every rank (``wait``: until they are); collective.
         Returns the seconds the slowest rank's background write took, or None while some rank is still writing.
-        A write that failed on any rank raises the same CheckpointError on every rank."""
-        root = self.path.parent
-        message = (lambda failure: f"{self.path}: the background write of this checkpoint failed ({failure}; the "
-                                   "writer's own error is in that rank's log); it was not completed, the previous "
-                                   "checkpoint stays the newest")
-        try:
-            with _storage_errors(message):
-                if not self._calls.maybe_finalize_async_calls(blocking=wait):
-                    return None
-        except CheckpointError as exc:  # raised on every rank; only rank 0 (Megatron's coordinator) knows which failed
-            said = [str(exc)]
-            dist.broadcast_object_list(said, src=0)
-            raise CheckpointError(said[0]) from exc
-        _on_rank0(self._finish, root)
-        ended = self._results.finished_at if self._results is not None else None
-        took = [max(0.0, ended - self._started) if ended is not None else 0.0]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, took[0])
-        return max(gathered)
+        A write that failed on any rank, or a writer that died (the OOM killer's SIGKILL), raises the same
+        CheckpointError on every rank, naming it."""
+        if not self._calls.maybe_finalize_async_calls(blocking=wait):  # every rank's writer ended (an all-reduce)
+            return None
+        return self._files.complete(_writer_failure(self._writer))
 
     def abandon(self) -> None:
-        """Wait for this rank's background write to end, without completing the checkpoint (no collective): the exit
-        of a rank that failed, whose peers may be elsewhere. The partial folder is removed by the next save."""
+        """End this rank's background write without completing the checkpoint (no collective): the exit of a rank that
+        failed, whose peers may be elsewhere. The checkpoint can never be completed then (completing is collective),
+        so the writer is killed rather than waited for (minutes at scale, for files thrown away) and the partial
+        folder removed (what a peer's writer still adds to it, the next save removes)."""
         for call in self._calls.async_calls:
-            call.async_caller.close()
+            call.async_caller.close(abort=True)  # SIGKILL: the writer is one process (threads only, no children)
         self._calls.async_calls.clear()
+        if self._writer is not None:
+            self._writer.join()
+        shutil.rmtree(self._files.partial, ignore_errors=True)
 
 
 def _dying_with_trainer(write: Callable[..., None]) -> Callable[..., None]:
@@ -466,23 +605,18 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
                      tokenizer_assumed_for: Optional[str] = None) -> PendingSave:
     """Start saving the trainer at its current step as ``root/step_<N>`` and return once the state is handed to the
     background writer (see :class:`PendingSave`); collective. ``keep`` prunes when the save completes."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     root = Path(root)
     partial, state, finish = _begin_save(trainer, root, keep, tokenizer_assumed_for)
     results = _ResultsFile(partial / f".write_results.rank{dist.get_rank()}")
     _write_results_to(results)
+    files = _SaveFiles(state, partial, step_dir(root, trainer.step), finish, results, background=True)
     calls = AsyncCallsQueue()  # a process forked per save; the persistent caller would start one by 'spawn'
-    with _writing(root):
-        # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
-        request = dist_checkpointing.save(state, str(partial), async_sharded_save=True, async_strategy="mcore")
-        if request.async_fn is not None:
-            request = request._replace(async_fn=_dying_with_trainer(request.async_fn))
     failure = None
     try:  # a fork the kernel refuses (no memory for the copy, a process limit) fails on its own rank only
         with _writing(root):
-            calls.schedule_async_request(request)
+            calls.schedule_async_request(files.request)
     except CheckpointError as exc:
         failure = str(exc)
     failures: list[Any] = [None] * dist.get_world_size()
@@ -494,8 +628,8 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
         rank, message = failed[0]
         raise CheckpointError(f"{message} (rank {rank}'s background writer did not start; the writers that did were "
                               "stopped)")
-    return PendingSave(step_dir(root, trainer.step), calls, results if request.async_fn is not None else None,
-                       finish)
+    writer = calls.async_calls[-1].async_caller.process if calls.async_calls else None
+    return PendingSave(files, calls, writer)
 
 
 # The scheduler's saved values under the config names that set them (the scheduler is built from the config).

@@ -442,15 +442,16 @@ class Trainer:
         return took
 
     def abandon_save(self) -> None:
-        """An error exit with a save still written in the background: this rank waits for its own write to end (no
-        process keeps writing after the job) and leaves the checkpoint incomplete. Completing it would take
-        collectives that the other ranks, failed elsewhere or still running, might never join; the previous
-        checkpoint stays the newest and the next save removes the partial folder."""
+        """An error exit with a save still written in the background: this rank's writer is killed and the partial
+        folder removed (checkpoint.PendingSave.abandon). Completing it would take collectives that the other ranks,
+        failed elsewhere or still running, might never join, so waiting for the write (minutes at scale) would only
+        delay the exit; the previous checkpoint stays the newest."""
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.abandon()
-            log.warning("%s: not completed (the run stopped on an error while it was written in the background); the "
-                        "previous checkpoint stays the newest", pending.path)
+            log.warning("%s: not completed (the run stopped on an error while it was written in the background: its "
+                        "writer was stopped, its partial folder removed); the previous checkpoint stays the newest",
+                        pending.path)
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);

@@ -31,6 +31,7 @@ logged per rollout (the MetricsLogger step is the rollout index).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -39,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ from spade_mega.envs.validate import Reason
 from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
+from spade_mega.megatron.checkpoint import CheckpointError
 from spade_mega.megatron.parallel import init_distributed
 from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, require_wandb, setup_logging, transcripts
@@ -664,11 +666,14 @@ class SelfPlay:
                 stopped = stop.agreed(trainer.backend.device) and r < total
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
-                    self._complete_save(trainer, actor, values, wait=True)  # one still being written completes first
-                    self._save(trainer, actor, r, background=cfg.selfplay.async_save and not (r == total or stopped))
+                    with self._saving(metrics, r, values):
+                        self._complete_save(trainer, actor, values, wait=True)  # one being written completes first
+                        self._save(trainer, actor, r,
+                                   background=cfg.selfplay.async_save and not (r == total or stopped))
                     values["time/checkpoint_s"] = time.perf_counter() - started  # the part training waited for
                 elif cfg.selfplay.async_save:  # a background save written on every rank becomes the newest checkpoint
-                    self._complete_save(trainer, actor, values, wait=False)
+                    with self._saving(metrics, r, values):
+                        self._complete_save(trainer, actor, values, wait=False)
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
                 # written, then evaluated (after the save): an evaluation that fails (an engine out of memory on long
@@ -787,6 +792,24 @@ class SelfPlay:
         jsonl = self.cfg.logging.jsonl
         return bool(_from_rank0(lambda: not (jsonl and scores_logged(self.run_dir / METRICS_FILE, r)), share=True))
 
+    @contextlib.contextmanager
+    def _saving(self, metrics: MetricsLogger, r: int, values: dict[str, float]) -> Iterator[None]:
+        """A save at rollout ``r`` that failed (on every rank alike: a full disk, a read-only folder, a writer killed)
+        stops the run, losing nothing written: the rollout's metrics are logged first, and the error names what the
+        run keeps and how to go on from its newest complete checkpoint."""
+        try:
+            yield
+        except CheckpointError as exc:
+            try:
+                metrics.log(r, values)
+            except Exception as failed:  # on the same full disk: the save's error says more
+                log.warning("rollout %d: its metrics could not be logged either: %s", r, failed)
+            latest = self.store.latest()
+            resume = f"resumes from {latest.name}" if latest is not None else "starts over (no checkpoint completed)"
+            raise CheckpointError(f"{exc}. The run stopped after rollout {r}; its metrics and transcripts so far stay "
+                                  f"in {self.run_dir}. Free space on {self.store.root} (or make it writable) and run "
+                                  f"the same command again: it {resume} (run.resume: auto)") from exc
+
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int, *, background: bool = False) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective). After rollouts that
         took no optimizer step (``rl.filter_zero_std_groups`` with every group flat, every play broken) the trainer's
@@ -802,7 +825,11 @@ class SelfPlay:
         def loop_state() -> None:
             assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
-            self.store.write_state(trainer.step, actor.state(r, self.served))
+            try:
+                self.store.write_state(trainer.step, actor.state(r, self.served))
+            except OSError as exc:  # a full disk fails this small file first
+                raise CheckpointError(f"{self.store.states}: cannot write the loop state of this checkpoint ({exc}); "
+                                      "the previous checkpoint stays the newest") from exc
 
         # a failure there (a transcript write's, a full disk) stops every rank; they waited for rank 0 in a barrier
         # (over NCCL until the collective timeout). The other ranks save only once rank 0 has written the state.

@@ -38,18 +38,18 @@ def stalled_writer(seconds: float, stall: bool = True) -> Iterator[None]:
     """Background writers of the saves started inside stall ``seconds`` before they write (a slow disk)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    write = FileSystemWriterAsync.write_preloaded_data_multithread
+    write = FileSystemWriterAsync.write_preloaded_data  # each file's write (checkpoint._write_files)
 
     def stalled(*write_args, **write_kwargs):
         time.sleep(seconds)
-        write(*write_args, **write_kwargs)
+        return write(*write_args, **write_kwargs)
 
     if stall:
-        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(stalled)
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(stalled)
     try:
         yield
     finally:
-        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(write)
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(write)
 
 
 def weights(trainer) -> dict:

@@ -1,0 +1,171 @@
+"""Checkpoint saves that fail on one rank (test_checkpoint_save_failures.py), under torchrun on two expert-parallel
+ranks (each writes shards of its own), with the checkpoint root --disk a small tmpfs of this process's own mount
+namespace (the test starts it under ``unshare -m``): a full disk and a read-only folder for real. Rank 0 fills or
+remounts the disk between the phases; each rank records what every save raised in --out/failures_rank<N>.json.
+
+  replace   step 1 saved, then saved again while rank 0's rename of the new folder is refused (EROFS)
+  full      the disk filled to a few KiB: a foreground save fails writing its files
+  full_end  a background save whose files are written, then the disk filled: rank 0's completion fails
+  ro_end    the same with the disk remounted read-only; then a foreground save on the read-only disk
+  killed    a background save whose writer rank 1 SIGKILLs (the OOM killer's signal)
+  abandon   a background save with stalled writers, abandoned (an error exit): how long it took, what is left
+  final     a foreground save on the freed disk, then step 1 loaded: its weights as saved
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from async_save_worker import stalled_writer, weights
+from megatron_worker import config, make_batch
+
+import torch
+import torch.distributed as dist
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Rank 0: a file taking all of the disk's free space but ``leave`` bytes."""
+    with open(disk / "filler", "ab") as f:
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - leave
+        try:
+            while free > 0:
+                free -= f.write(b"\0" * min(free, 1 << 20))
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def files_of(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def listing(disk: Path) -> list[str]:
+    return sorted(p.name for p in disk.iterdir())
+
+
+def attempt(save: Callable[[], object]) -> str | None:
+    from spade_mega.megatron import CheckpointError
+
+    try:
+        save()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def written(disk: Path) -> None:
+    """Wait until every rank's background writer has reported its files."""
+    while len(list(disk.glob(".step_*.partial-*/.write_results.rank?"))) < dist.get_world_size():
+        time.sleep(0.05)
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["failures"])  # the launch helper's convention: one scenario here
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--disk", type=Path)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    torch.set_num_threads(1)
+    from spade_mega.megatron import Trainer, checkpoint
+    from spade_mega.megatron.parallel import shutdown
+
+    disk, rank, result = args.disk, None, {}
+    trainer = Trainer(config(args.overrides))
+    rank = dist.get_rank()
+    trainer.train_step(make_batch(1))
+    saved = weights(trainer)
+    trainer.save(str(disk))
+    first = disk / "step_00000001"
+    result["first_files"] = files_of(first)
+
+    rename = os.rename
+
+    def refused(src, dst):  # rank 0's rename of the new checkpoint into place: a folder turned read-only
+        if ".partial-" in str(src):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(src))
+        return rename(src, dst)
+
+    if rank == 0:
+        checkpoint.os.rename = refused
+    result["replace"] = attempt(lambda: trainer.save(str(disk)))
+    checkpoint.os.rename = rename
+    result["replace_listing"] = listing(disk)
+    result["replace_first_files"] = files_of(first)
+
+    trainer.train_step(make_batch(2))
+    if rank == 0:
+        fill(disk, 8192)
+    dist.barrier()
+    result["full"] = attempt(lambda: trainer.save(str(disk)))
+    result["full_listing"] = listing(disk)
+    if rank == 0:
+        (disk / "filler").unlink()
+
+    trainer.save(str(disk), background=True)
+    written(disk)
+    if rank == 0:
+        fill(disk, 0)
+    dist.barrier()
+    result["full_end"] = attempt(lambda: trainer.finish_save(wait=True))
+    result["full_end_listing"] = listing(disk)
+    if rank == 0:
+        (disk / "filler").unlink()
+
+    trainer.save(str(disk), background=True)
+    written(disk)
+    if rank == 0:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    dist.barrier()
+    result["ro_end"] = attempt(lambda: trainer.finish_save(wait=True))
+    result["ro_start"] = attempt(lambda: trainer.save(str(disk)))
+    result["ro_listing"] = listing(disk)
+    dist.barrier()
+    if rank == 0:
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+    dist.barrier()
+
+    with stalled_writer(60, stall=rank == 1):
+        trainer.save(str(disk), background=True)
+    if rank == 1:
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+    began = time.monotonic()
+    result["killed"] = attempt(lambda: trainer.finish_save(wait=True))
+    result["killed_s"] = time.monotonic() - began
+    result["killed_listing"] = listing(disk)
+    trainer.train_step(make_batch(3))  # the ranks go on together
+
+    with stalled_writer(600):
+        trainer.save(str(disk), background=True)
+    writers = multiprocessing.active_children()
+    began = time.monotonic()
+    trainer.abandon_save()
+    result["abandon_s"] = time.monotonic() - began
+    result["abandon_writers_alive"] = [w.is_alive() for w in writers]
+    dist.barrier()
+    result["abandon_listing"] = listing(disk)
+
+    result["final"] = trainer.save(str(disk))
+    result["final_listing"] = listing(disk)
+    trainer.load(str(first))
+    loaded = weights(trainer)
+    result["first_as_saved"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
+    (args.out / f"failures_rank{rank}.json").write_text(json.dumps(result))
+    shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""A checkpoint save that fails on one rank fails on every rank alike: no rank waits in a collective for a peer that
+raised (until the collective timeout), every rank raises the same CheckpointError naming the failing rank and its
+error, the failed save leaves no checkpoint that looks complete, and the earlier checkpoints stay as they were. A full
+disk and a read-only folder for real (a small tmpfs in the workers' own mount namespace), on two gloo ranks."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from megatron_launch import read_json, worker_command, worker_env
+
+WORKER = Path(__file__).with_name("save_failure_worker.py")
+
+
+def _private_tmpfs(disk: Path) -> list[str]:
+    """The command prefix that runs a command with a 48 MiB tmpfs on ``disk``, in a mount namespace of its own (gone
+    with its processes, never seen outside); skipped where mounting is not allowed."""
+    prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+              'mount -t tmpfs -o size=48m spade-test "$0" && exec "$@"', str(disk)]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"a private tmpfs cannot be mounted here (needs CAP_SYS_ADMIN): {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("save_failures")
+    disk = out / "disk"
+    disk.mkdir()
+    command = [*_private_tmpfs(disk), *worker_command(2, "failures", out, "--disk", str(disk), "parallel.expert=2",
+                                                      "parallel.collective_timeout_min=1", worker=WORKER)]
+    # a rank left waiting for a failed peer would wait out the collective timeout (1 min here) and fail the job
+    proc = subprocess.run(command, capture_output=True, text=True, env=worker_env(), timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return disk, [read_json(out / f"failures_rank{rank}.json") for rank in (0, 1)]
+
+
+def _same_on_both(results: list[dict], phase: str) -> str:
+    assert results[0][phase] is not None, f"{phase}: no error"
+    assert results[0][phase] == results[1][phase], phase  # rank 1 names rank 0's failure and vice versa
+    return results[0][phase]
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_that_cannot_be_renamed_into_place_leaves_the_one_it_replaced(failures) -> None:
+    disk, results = failures
+    error = _same_on_both(results, "replace")
+    assert error.startswith(f"{disk / 'step_00000001'}: the completion of this checkpoint failed (rank 0: OSError: "
+                            "[Errno 30] Read-only file system"), error
+    assert "its partial folder was removed), the previous checkpoint stays the newest" in error
+    # the same step saved before was set aside for its replacement: back in place, every file as it was
+    assert results[0]["replace_listing"] == ["step_00000001"]
+    assert results[0]["replace_first_files"] == results[0]["first_files"]
+
+
+@pytest.mark.multiproc
+def test_a_full_disk_fails_the_save_on_every_rank_and_removes_its_partial_folder(failures) -> None:
+    disk, results = failures
+    error = _same_on_both(results, "full")
+    assert error.startswith(f"{disk / 'step_00000002'}: the write of this checkpoint failed (rank "), error
+    assert "OSError: [Errno 28] No space left on device" in error
+    assert results[0]["full_listing"] == ["filler", "step_00000001"]
+    # rank 0's completion (torch's .metadata, the first file it writes) on a disk that filled after the files
+    error = _same_on_both(results, "full_end")
+    assert error.startswith(f"{disk / 'step_00000002'}: the completion of this checkpoint failed (rank 0: OSError: "
+                            "[Errno 28] No space left on device"), error
+    assert results[0]["full_end_listing"] == ["filler", "step_00000001"]
+
+
+@pytest.mark.multiproc
+def test_a_read_only_folder_fails_the_save_on_every_rank(failures) -> None:
+    disk, results = failures
+    error = _same_on_both(results, "ro_end")
+    assert error.startswith(f"{disk / 'step_00000002'}: the completion of this checkpoint failed (rank 0: OSError: "
+                            "[Errno 30] Read-only file system"), error
+    assert "its files are left in the hidden folder .step_00000002.partial-" in error  # a read-only folder keeps them
+    error = _same_on_both(results, "ro_start")
+    assert error.startswith(f"{disk}: cannot save a checkpoint there (OSError: [Errno 30] Read-only file system"), error
+    listing = results[0]["ro_listing"]
+    assert len(listing) == 2 and listing[0].startswith(".step_00000002.partial-") and listing[1] == "step_00000001"
+
+
+@pytest.mark.multiproc
+def test_a_background_writer_killed_by_a_signal_is_named_on_every_rank(failures) -> None:
+    disk, results = failures
+    error = _same_on_both(results, "killed")
+    assert error.startswith(f"{disk / 'step_00000002'}: the background write of this checkpoint failed (rank 1: its "
+                            "background writer (pid "), error
+    assert "was killed by SIGKILL: the kernel's OOM killer, unless someone sent it" in error
+    assert all(result["killed_s"] < 30 for result in results)  # not rank 1's stalled 60 s, nor a timeout
+    assert results[0]["killed_listing"] == ["step_00000001"]  # the read-only save's leftovers removed too
+
+
+@pytest.mark.multiproc
+def test_an_abandoned_background_save_stops_its_writer_and_removes_its_files(failures) -> None:
+    disk, results = failures
+    for result in results:
+        assert result["abandon_s"] < 10  # its writer, stalled for 600 s, was killed, not waited for
+        assert result["abandon_writers_alive"] == [False]
+    assert results[0]["abandon_listing"] == ["step_00000001"]
+    # the ranks saved on together once the disk had room, and the first checkpoint still holds what it saved
+    assert results[0]["final"] == str(disk / "step_00000003")
+    assert results[0]["final_listing"] == ["step_00000001", "step_00000003"]
+    assert all(result["first_as_saved"] for result in results)
