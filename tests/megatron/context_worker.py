@@ -3,7 +3,8 @@
   step  any layout: with --load, the checkpoint --load (else build and save the initial weights to --out/init);
         the plan's row compositions, the log-probs of the batch, one GRPO step, the log-probs after it, and (one
         process, or context parallelism alone, where every rank holds all weights) the weights before and after; written to
-        --out/<tag>.json and <tag>_*.pt. Nothing is asserted here.
+        --out/<tag>.json and <tag>_*.pt; with --resave also the log-probs after a save in this layout and its
+        reload. Nothing is asserted here.
 
 The batch: six samples of different lengths, several in a row, none a multiple of 4, so that under CP2 every sample
 is padded inside its row segment (and the reference, one process, has no padding at all).
@@ -65,8 +66,15 @@ def scenario_step(args) -> None:
     before = trainer.logprobs(batch)
     result = trainer.train_step(batch)
     after = trainer.logprobs(batch)
+    logprobs = {"before": before, "after": after}
+    if args.resave:  # saved in this layout; the initial weights loaded over it, then the saved ones again
+        saved = trainer.save(str(args.out / f"{args.tag}_checkpoint"))
+        trainer.load(args.load)
+        logprobs["initial_reloaded"] = trainer.logprobs(batch)
+        trainer.load(saved)
+        logprobs["reloaded"] = trainer.logprobs(batch)
     if is_rank0():
-        torch.save({"before": before, "after": after}, args.out / f"{args.tag}_logprobs.pt")
+        torch.save(logprobs, args.out / f"{args.tag}_logprobs.pt")
         if args.weights:
             torch.save({"before": initial, "after": weights()}, args.out / f"{args.tag}_weights.pt")
     write_json(args.out / f"{args.tag}.json", {"step": result.metrics, "rows": rows, "padding": padding})
@@ -79,6 +87,8 @@ def main() -> None:
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")
     parser.add_argument("--weights", action="store_true", help="write this rank's (the full) weights after the step")
+    parser.add_argument("--resave", action="store_true", help="with --load: save after the step, load --load and "
+                        "the saved checkpoint again, log-probs after each")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
 

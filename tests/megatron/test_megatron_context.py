@@ -75,7 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_worker(1, "step", out, "--tag", "ref", "--weights", "parallel.max_tokens_per_gpu=26", *PER_SAMPLE,
                worker=WORKER)
     for tag, (nproc, overrides) in LAYOUTS.items():
-        weights = ["--weights"] if tag == "cp2" else []  # CP alone: every rank holds all weights
+        weights = ["--weights", "--resave"] if tag == "cp2" else []  # CP alone: every rank holds all weights
         run_worker(nproc, "step", out, "--tag", tag, *weights, "--load", str(out / "init"), "parallel.context=2",
                    "parallel.max_tokens_per_gpu=16", *overrides, *PER_SAMPLE, worker=WORKER)
     return out
@@ -143,3 +143,15 @@ def test_context_parallel_layouts_and_their_row_multiples() -> None:
     with pytest.raises(ConfigError) as err:  # TP x PP would tile 4 processes: CP is the size to change
         resolve_layout(ParallelConfig(context=3), ModelConfig(), 4)
     assert err.value.path == "parallel.context" and "divide the world size (4 processes)" in str(err.value)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_saved_under_cp2_restores_the_trained_weights(runs: Path) -> None:
+    """Saved by two CP ranks after the step; the initial weights loaded over the model, then the saved checkpoint:
+    the log-probs are the trained ones again (a shard left out of the save would fail the load or differ)."""
+    logprobs = torch.load(runs / "cp2_logprobs.pt")
+    for i, (after, initial, reloaded) in enumerate(zip(logprobs["after"], logprobs["initial_reloaded"],
+                                                       logprobs["reloaded"])):
+        assert torch.equal(reloaded, after), f"sample {i}: log-probs after reloading differ"
+        assert torch.allclose(initial, logprobs["before"][i], atol=1e-6), f"sample {i}: the initial load changed"
+    assert any(not torch.equal(a, b) for a, b in zip(logprobs["after"], logprobs["initial_reloaded"]))
