@@ -112,6 +112,7 @@ SAME = [  # (answer the model boxed, reference)
     ("12\\text{ square units}", "12"),
     ("3\\text{ hours}", "3"),
     ("60\\text{ miles per hour}", "60"),
+    ("25\\text{ percent}", "25"),  # as 25\\% (a unit before the whitelist too)
     ("4.5\\text{ cm}^2", "4.5"),
     ("20\\text{ cm}^{2}", "20\\text{ cm}^2"),
     ("2\\mathrm{x}", "2x"),  # an upright x is still x

@@ -104,8 +104,8 @@ _UNIT_WORDS = frozenset((
     "m cm mm km in ft yd mi meter metre centimeter centimetre millimeter millimetre kilometer kilometre inch foot "
     "feet yard mile g mg kg lb oz gram milligram kilogram pound ounce ton tonne s ms h hr min sec second minute hour "
     "day week month year yr decade L l ml mL liter litre milliliter millilitre gallon gal quart pint cup acre "
-    "hectare mph kph dollar cent euro rupee yen degree deg radian rad celsius fahrenheit kelvin unit way people "
-    "person student").split())
+    "hectare mph kph dollar cent euro rupee yen percent degree deg radian rad celsius fahrenheit kelvin unit way "
+    "people person student").split())
 _UNIT_JOINERS = ("square", "sq", "cubic", "per")  # square feet, miles per hour
 
 
