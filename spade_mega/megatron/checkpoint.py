@@ -570,12 +570,19 @@ class PendingSave:
         failed, whose peers may be elsewhere. The checkpoint can never be completed then (completing is collective),
         so the writer is killed rather than waited for (minutes at scale, for files thrown away) and the partial
         folder removed (what a peer's writer still adds to it, the next save removes)."""
-        for call in self._calls.async_calls:
-            call.async_caller.close(abort=True)  # SIGKILL: the writer is one process (threads only, no children)
-        self._calls.async_calls.clear()
-        if self._writer is not None:
-            self._writer.join()
+        _stop_writers(self._calls)
         shutil.rmtree(self._files.partial, ignore_errors=True)
+
+
+def _stop_writers(calls: Any) -> None:
+    """Kill this rank's background writers and wait until they are gone (each is one process: threads, no
+    children)."""
+    for call in calls.async_calls:
+        writer = call.async_caller.process
+        call.async_caller.close(abort=True)  # SIGKILL
+        if writer is not None:
+            writer.join()
+    calls.async_calls.clear()
 
 
 def _dying_with_trainer(write: Callable[..., None]) -> Callable[..., None]:
@@ -622,12 +629,12 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
     failures: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)  # every rank raises, where one alone would leave the others waiting
     failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
-    if failed:
-        for call in calls.async_calls:  # the checkpoint cannot complete without the failed rank's files
-            call.async_caller.close(abort=True)
+    if failed:  # the checkpoint cannot complete without the failed rank's files
+        _stop_writers(calls)
+        shutil.rmtree(partial, ignore_errors=True)
         rank, message = failed[0]
         raise CheckpointError(f"{message} (rank {rank}'s background writer did not start; the writers that did were "
-                              "stopped)")
+                              "stopped, the partial folder removed)")
     writer = calls.async_calls[-1].async_caller.process if calls.async_calls else None
     return PendingSave(files, calls, writer)
 
