@@ -6,6 +6,7 @@ update that fails part way stops generation until a complete one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,22 @@ def test_a_packed_bucket_views_back_into_its_tensors_whatever_their_dtypes():
     assert buffer.numel() == layout([t.shape for t in tensors], [t.dtype for t in tensors])[1]
     back = unpack(buffer, [t.shape for t in tensors], [t.dtype for t in tensors])
     assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
+
+
+def test_slurm_servers_of_a_collective_run_load_the_transfer_engine_and_sglang_is_refused():
+    from spade_mega.config import ConfigError, load_config
+    from spade_mega.launch.plan import server_command
+
+    recipe = REPO / "examples/configs/qwen3_30b_a3b_games.yaml"
+    argv = server_command(load_config(recipe, ["rollout.engine=vllm", "inference.weight_transfer=collective"]), 8,
+                          False)
+    assert f"PYTHONPATH={REPO}" in argv and argv[argv.index("--worker-extension-cls") + 1] == \
+        "spade_mega.inference.vllm_worker.SpadeWorkerExtension"
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "spade"}
+    folder = server_command(load_config(recipe, ["rollout.engine=vllm"]), 8, False)
+    assert "--weight-transfer-config" not in folder
+    with pytest.raises(ConfigError, match="inference.weight_transfer.*SGLang engine"):
+        server_command(load_config(recipe, ["inference.weight_transfer=collective"]), 8, False)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ the one path both servers offer over plain HTTP for a trainer in another process
 GPU and the server's own Python packages in the trainer). Every bucket is checked against the served checkpoint's
 names and shapes before anything is written, and the update must cover every weight: the server never sees a
 partial or misnamed update. The folder lives in /dev/shm when it can (memory, not disk), so it costs the model's
-size in RAM during the update; it goes once the servers have loaded it (or failed to).
+size in RAM during the update; it goes once the servers have loaded it (or failed to). An engine whose servers take
+weights over a process group (vLLM, ``inference.weight_transfer: collective``) streams the checked update there
+instead, staging nothing (:meth:`ServerEngine._update_collective`, :mod:`spade_mega.inference.collective`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import urllib.parse
 import urllib.request
 import weakref
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -1097,14 +1099,18 @@ class ServerEngine(ABC):
         if self._broken is not None:  # a group of a failed update (or of a server gone since) is in no known state
             for server in self.servers:
                 self._close_group(server)
+        started: list[Server] = []
         try:
             self._in_parallel(self._open_group, [(server,) for server in self.servers if server.url not in
                                                  self._groups], len(self.servers))
-            self._in_parallel(lambda server: self._transfer_rpc(server, "/start_weight_update", {}),
-                              [(server,) for server in self.servers], len(self.servers))
+
+            def start(server: Server) -> None:
+                self._transfer_rpc(server, "/start_weight_update", {})
+                started.append(server)
+
+            self._in_parallel(start, [(server,) for server in self.servers], len(self.servers))
         except BaseException as exc:  # nothing was loaded: the servers serve the previous version
-            for server in self.servers:
-                self._close_group(server)
+            self._abandon_update(started)
             if not isinstance(exc, EngineError):
                 raise
             raise EngineError(f"{self.name} engine: weight update {version} could not start ({exc}); the servers "
@@ -1133,22 +1139,27 @@ class ServerEngine(ABC):
                               [(server,) for server in self.servers], len(self.servers))
         except BaseException as exc:
             self._broken = f"weight update {version} failed while the servers loaded it ({type(exc).__name__}: {exc})"
-            for server in self.servers:
-                self._close_group(server)
-                try:  # ends the servers' update, so that the next one can start (what they hold is broken anyway)
-                    self._transfer_rpc(server, "/finish_weight_update", {}, timeout_s=30.0)
-                except EngineError:
-                    pass
+            self._abandon_update(self.servers)
             if not isinstance(exc, EngineError):
                 raise
             raise EngineError(f"{self.name} engine: {self._broken}") from None
         self._version, self._broken, self._updated = version, None, True
 
+    def _abandon_update(self, started: Sequence[Server]) -> None:
+        """After a failed update: every group is dropped, and the update session of each server that ``started``
+        one is ended, so that the next update can start (vLLM refuses a start while one is open; a layer none of
+        whose weights came keeps its previous ones)."""
+        for server in self.servers:
+            self._close_group(server)
+        for server in started:
+            try:
+                self._transfer_rpc(server, "/finish_weight_update", {}, timeout_s=30.0)
+            except EngineError:
+                pass
+
     def _send_bucket(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         """One bucket to every server: each is told its names, dtypes and shapes (an HTTP call that returns once it
         has loaded it) while the packed bytes go out over the groups; the first failure of either raises at once."""
-        from concurrent.futures import FIRST_EXCEPTION, wait
-
         groups = [self._groups[server.url] for server in self.servers]
         buffer = pack(tensors, groups[0].device)
         info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
@@ -1159,8 +1170,7 @@ class ServerEngine(ABC):
                        for server in self.servers]
             works = [group.broadcast(buffer) for group in groups]
             futures += [pool.submit(work.wait) for work in works]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in done:
+            for future in wait(futures, return_when=FIRST_EXCEPTION).done:
                 future.result()  # raises the first failure
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a broadcast whose peer failed ends at the group timeout
@@ -1175,17 +1185,19 @@ class ServerEngine(ABC):
         name = f"spade-{os.getpid()}-{time.monotonic_ns()}"
         init = {"master_address": host, "master_port": store.port, "world_size": 1 + workers, "backend": backend,
                 "rank_offset": 1, "timeout_s": self.request_timeout_s, "group_name": name}
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spade-transfer")
-        try:
-            joined = pool.submit(self._transfer_rpc, server, "/init_weight_transfer_engine", {"init_info": init})
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="spade-transfer")
+        try:  # whichever fails first says why (a server that refuses answers at once; the join would wait it out)
+            told = pool.submit(self._transfer_rpc, server, "/init_weight_transfer_engine", {"init_info": init})
+            joined = pool.submit(Group.join, store, backend, 0, 1 + workers, self.request_timeout_s, name)
+            wait([told, joined], return_when=FIRST_EXCEPTION)
+            if told.done() and told.exception() is not None:
+                raise told.exception()  # type: ignore[misc]
             try:
-                group = Group.join(store, backend, 0, 1 + workers, self.request_timeout_s, name)
-            except RuntimeError as exc:  # the workers did not join: the server's answer says why
-                if joined.done() and joined.exception() is not None:
-                    raise joined.exception() from None  # type: ignore[misc]
+                group = joined.result()
+            except RuntimeError as exc:
                 raise EngineError(f"{self.name} server at {server.url}: its workers did not join the weight "
                                   f"transfer group at {host}:{store.port} ({exc})") from None
-            joined.result()
+            told.result()
         finally:
             pool.shutdown(wait=False)
         self._groups[server.url] = group

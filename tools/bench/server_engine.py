@@ -5,7 +5,11 @@ on the same tiny dense model and the same greedy requests.
 
 Prints, for each engine: decode tokens/s of one ``generate`` call over the batch (best of ``--repeats``) and the wall
 time of one full ``update_weights`` (vLLM: stage safetensors in /dev/shm + server reload + prefix-cache reset; hf:
-copy into the transformers model), and the ratios vLLM / hf. The server's start-up time is printed too. The hf engine is measured first, before the server process exists, so the
+copy into the transformers model), and the ratios vLLM / hf. The server's start-up time is printed too. Then the
+two weight transfers of the vLLM engine on that same server, alternated, best of ``--repeats`` each: ``collective``
+(inference.weight_transfer: each bucket broadcast over a gloo group into the server's worker; the vLLM figures above
+are this engine's, its first update opening the group) against the ``folder`` baseline (staged in /dev/shm, then
+reloaded), as a ratio; ``--buckets`` splits the update as the bridge's bucket_mb would. The hf engine is measured first, before the server process exists, so the
 two never share the CPU. Greedy
 decoding makes the completions comparable: the bench reports the fraction of completions the two engines agree on
 token for token (float32 on both sides; a near tie can flip an argmax).
@@ -51,6 +55,21 @@ def measure(engine, requests: list[GenerationRequest], weights: dict[str, torch.
     return sum(len(g.output_ids) for g in generations) / best, update_s, [g.output_ids for g in generations]
 
 
+def compare_transfers(engines: dict, weights: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, float]:
+    """Best-of-``args.repeats`` wall time of one full weight update through each engine (the same server), the
+    engines alternated so that a drift in the machine's load falls on both."""
+    names = sorted(weights)
+    step = -(-len(names) // args.buckets)
+    parts = [names[i:i + step] for i in range(0, len(names), step)]
+    best = {name: float("inf") for name in engines}
+    for repeat in range(args.repeats):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.update_weights([{n: weights[n] for n in part} for part in parts], version=2 + repeat)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench server_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -59,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--buckets", type=int, default=4, help="buckets a weight update is split into")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads of the hf engine (default: torch's choice; 1 is steadier on a shared CPU)")
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
@@ -93,10 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         vllm = VLLMEngine.launch(folder, eos_token_id=tok.eos_token_id, python=args.python,
                                  max_model_len=args.prompt + args.new + 8, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                 server_args=["--max-num-seqs", str(max(args.batch, 1))], log_path=Path(tmp) / "s.log")
+                                 server_args=["--max-num-seqs", str(max(args.batch, 1))], log_path=Path(tmp) / "s.log",
+                                 weight_transfer="collective")
         started = time.perf_counter() - start
         try:
             rates["vllm"], updates["vllm"], outputs["vllm"] = measure(vllm, requests, weights, args.repeats)
+            through_folder = VLLMEngine.attach([vllm.servers[0].url], folder, eos_token_id=tok.eos_token_id)
+            try:
+                transfers = compare_transfers({"folder": through_folder, "collective": vllm}, weights, args)
+            finally:
+                through_folder.close()
         finally:
             vllm.close()
     agree = sum(a == b for a, b in zip(outputs["vllm"], outputs["hf"])) / len(requests)
@@ -108,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hf in-process     {rates['hf']:9.1f} tokens/s   update {updates['hf'] * 1e3:8.1f} ms")
     print(f"ratio vllm / hf baseline: decode {rates['vllm'] / rates['hf']:.2f}x, update time "
           f"{updates['vllm'] / updates['hf']:.1f}x   greedy completions identical: {agree:.0%}")
+    for name, seconds in transfers.items():
+        print(f"vllm update, weight_transfer {name:10s} {seconds * 1e3:8.1f} ms ({size_mb / seconds:.0f} MiB/s, "
+              f"{args.buckets} buckets)")
+    print(f"ratio collective / folder baseline: update time {transfers['collective'] / transfers['folder']:.2f}x")
     return 0
 
 
