@@ -81,6 +81,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def dense_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dense model (no router loss, which depends on a row's composition), one process and CP2 x DP2: the data
+    split gives other rows, the step must not change."""
+    out = tmp_path_factory.mktemp("context_dense")
+    dense = ["model.num_experts=0", *PER_SAMPLE]
+    run_worker(1, "step", out, "--tag", "ref", "parallel.max_tokens_per_gpu=26", *dense, worker=WORKER)
+    run_worker(4, "step", out, "--tag", "cp2_dp2", "--load", str(out / "init"), "parallel.context=2",
+               "parallel.max_tokens_per_gpu=16", *dense, worker=WORKER)
+    return out
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_context_parallel_step_equals_one_process(runs: Path, layout: str) -> None:
@@ -155,3 +167,17 @@ def test_a_checkpoint_saved_under_cp2_restores_the_trained_weights(runs: Path) -
         assert torch.equal(reloaded, after), f"sample {i}: log-probs after reloading differ"
         assert torch.allclose(initial, logprobs["before"][i], atol=1e-6), f"sample {i}: the initial load changed"
     assert any(not torch.equal(a, b) for a, b in zip(logprobs["after"], logprobs["initial_reloaded"]))
+
+
+@pytest.mark.multiproc
+def test_cp2_over_two_data_parallel_ranks_equals_one_process(dense_runs: Path) -> None:
+    """Gradients are reduced over DP x CP (four ranks) and the loss normalised over the whole global batch."""
+    want, got = read_json(dense_runs / "ref.json"), read_json(dense_runs / "cp2_dp2.json")
+    assert got["rows"] == [[[0, 3, 4]], [[1, 2, 5]]] != want["rows"]  # one row per data-parallel rank
+    for key in COMPARED[:-1]:
+        w, g = want["step"][key], got["step"][key]
+        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} under CP2 x DP2, {w!r} in one process"
+    logprobs = {tag: torch.load(dense_runs / f"{tag}_logprobs.pt") for tag in ("ref", "cp2_dp2")}
+    for when in ("before", "after"):
+        for i, (w, g) in enumerate(zip(logprobs["ref"][when], logprobs["cp2_dp2"][when])):
+            assert float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step differ from one process"
