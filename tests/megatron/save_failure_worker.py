@@ -82,7 +82,7 @@ def main() -> None:
     from spade_mega.megatron import Trainer, checkpoint
     from spade_mega.megatron.parallel import shutdown
 
-    disk, rank, result = args.disk, None, {}
+    disk, result = args.disk, {}
     trainer = Trainer(config(args.overrides))
     rank = dist.get_rank()
     trainer.train_step(make_batch(1))
