@@ -446,6 +446,15 @@ def _writer_failure(writer: Any) -> Optional[str]:
     return f"its background writer (pid {writer.pid}) was killed by {name}{why}"
 
 
+def _first_failure(failure: Optional[str]) -> Optional[tuple[int, str]]:
+    """The first rank's failure of a step that each rank runs on its own, and that rank (None: none failed), on every
+    rank (an all-gather): every rank raises it, where one alone would leave the others waiting in the next
+    collective."""
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next(((rank, message) for rank, message in enumerate(failures) if message is not None), None)
+
+
 class _SaveFiles:
     """One save's files: planned by Megatron-Core (``dist_checkpointing.save``, a collective), written by each rank
     (:meth:`write_here`, or a forked writer), then made the checkpoint by :meth:`complete`, one agreement of all ranks
@@ -456,10 +465,20 @@ class _SaveFiles:
         from megatron.core import dist_checkpointing
 
         strategy = _plan_keeping_strategy()()
-        with _writing(final.parent):
-            # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
-            request = dist_checkpointing.save(state, str(partial), sharded_strategy=strategy, async_sharded_save=True,
-                                              async_strategy="mcore")
+        failure = None
+        try:  # planning's collectives, then each rank alone stages its tensors to write (host memory: it may fail)
+            with _storage_errors(lambda failure: failure):
+                # "mcore": Megatron-Core's own asynchronous writer (NVIDIA resiliency-ext's is the other, not installed)
+                request = dist_checkpointing.save(state, str(partial), sharded_strategy=strategy,
+                                                  async_sharded_save=True, async_strategy="mcore")
+        except CheckpointError as exc:
+            failure = str(exc)
+        failed = _first_failure(failure)
+        if failed is not None:
+            if dist.get_rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(f"{final}: preparing this checkpoint's files failed (rank {failed[0]}: {failed[1]}); "
+                                  "nothing was written, no earlier checkpoint was removed")
         self.writer, self.metadata, self.group = strategy.plan
         self.config = (strategy.backend, strategy.version)
         write = None if request.async_fn is None else functools.partial(_write_files, request.async_fn.args[0])
@@ -626,13 +645,11 @@ def start_async_save(trainer: "Trainer", root: str | Path, *, keep: Optional[int
             calls.schedule_async_request(files.request)
     except CheckpointError as exc:
         failure = str(exc)
-    failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)  # every rank raises, where one alone would leave the others waiting
-    failed = [(rank, message) for rank, message in enumerate(failures) if message is not None]
-    if failed:  # the checkpoint cannot complete without the failed rank's files
+    failed = _first_failure(failure)
+    if failed is not None:  # the checkpoint cannot complete without the failed rank's files
         _stop_writers(calls)
         shutil.rmtree(partial, ignore_errors=True)
-        rank, message = failed[0]
+        rank, message = failed
         raise CheckpointError(f"{message} (rank {rank}'s background writer did not start; the writers that did were "
                               "stopped, the partial folder removed)")
     writer = calls.async_calls[-1].async_caller.process if calls.async_calls else None

@@ -4,6 +4,7 @@ namespace (the test starts it under ``unshare -m``): a full disk and a read-only
 remounts the disk between the phases; each rank records what every save raised in --out/failures_rank<N>.json.
 
   replace   step 1 saved, then saved again while rank 0's rename of the new folder is refused (EROFS)
+  staging   saved again while rank 1 cannot stage its tensors for the write (host memory exhausted: MemoryError)
   full      the disk filled to a few KiB: a foreground save fails writing its files
   full_end  a background save whose files are written, then the disk filled: rank 0's completion fails
   ro_end    the same with the disk remounted read-only; then a foreground save on the read-only disk
@@ -104,6 +105,19 @@ def main() -> None:
     checkpoint.os.rename = rename
     result["replace_listing"] = listing(disk)
     result["replace_first_files"] = files_of(first)
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    stage = FileSystemWriterAsync.prepare_write_data
+
+    def exhausted(*stage_args, **stage_kwargs):
+        raise MemoryError("host memory exhausted")
+
+    if rank == 1:
+        FileSystemWriterAsync.prepare_write_data = exhausted
+    result["staging"] = attempt(lambda: trainer.save(str(disk)))
+    FileSystemWriterAsync.prepare_write_data = stage
+    result["staging_listing"] = listing(disk)
 
     trainer.train_step(make_batch(2))
     if rank == 0:

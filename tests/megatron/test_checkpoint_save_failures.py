@@ -57,6 +57,15 @@ def test_a_checkpoint_that_cannot_be_renamed_into_place_leaves_the_one_it_replac
 
 
 @pytest.mark.multiproc
+def test_a_rank_that_cannot_stage_its_tensors_fails_the_save_on_every_rank(failures) -> None:
+    disk, results = failures
+    error = _same_on_both(results, "staging")
+    assert error == (f"{disk / 'step_00000001'}: preparing this checkpoint's files failed (rank 1: MemoryError: host "
+                     "memory exhausted); nothing was written, no earlier checkpoint was removed"), error
+    assert results[0]["staging_listing"] == ["step_00000001"]
+
+
+@pytest.mark.multiproc
 def test_a_full_disk_fails_the_save_on_every_rank_and_removes_its_partial_folder(failures) -> None:
     disk, results = failures
     error = _same_on_both(results, "full")
