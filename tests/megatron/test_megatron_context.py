@@ -82,14 +82,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dense_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A dense model (no router loss, which depends on a row's composition), one process and CP2 x DP2: the data
-    split gives other rows, the step must not change."""
-    out = tmp_path_factory.mktemp("context_dense")
-    dense = ["model.num_experts=0", *PER_SAMPLE]
-    run_worker(1, "step", out, "--tag", "ref", "parallel.max_tokens_per_gpu=26", *dense, worker=WORKER)
-    run_worker(4, "step", out, "--tag", "cp2_dp2", "--load", str(out / "init"), "parallel.context=2",
-               "parallel.max_tokens_per_gpu=16", *dense, worker=WORKER)
+def expert_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EP2 (two data-parallel ranks) and CP2 x EP2 (four ranks: the same two data-parallel ranks, each split over two
+    CP ranks): the same rows, one per data-parallel rank, so the router loss is compared on the same compositions;
+    EP2 itself equals one process (test_megatron_parallel)."""
+    out = tmp_path_factory.mktemp("context_expert")
+    run_worker(2, "step", out, "--tag", "ep2", "parallel.expert=2", "parallel.max_tokens_per_gpu=32", *PER_SAMPLE,
+               worker=WORKER)
+    run_worker(4, "step", out, "--tag", "cp2_ep2", "--load", str(out / "init"), "parallel.expert=2",
+               "parallel.context=2", "parallel.max_tokens_per_gpu=16", *PER_SAMPLE, worker=WORKER)
     return out
 
 
@@ -170,14 +171,16 @@ def test_a_checkpoint_saved_under_cp2_restores_the_trained_weights(runs: Path) -
 
 
 @pytest.mark.multiproc
-def test_cp2_over_two_data_parallel_ranks_equals_one_process(dense_runs: Path) -> None:
-    """Gradients are reduced over DP x CP (four ranks) and the loss normalised over the whole global batch."""
-    want, got = read_json(dense_runs / "ref.json"), read_json(dense_runs / "cp2_dp2.json")
-    assert got["rows"] == [[[0, 3, 4]], [[1, 2, 5]]] != want["rows"]  # one row per data-parallel rank
-    for key in COMPARED[:-1]:
+def test_cp2_with_expert_and_data_parallelism_equals_ep2(expert_runs: Path) -> None:
+    """Dense gradients reduced over DP x CP (four ranks), expert gradients over the expert-data ranks, the experts'
+    all-to-all over CP-split rows, the loss normalised over the whole global batch."""
+    want, got = read_json(expert_runs / "ep2.json"), read_json(expert_runs / "cp2_ep2.json")
+    assert got["rows"] == want["rows"] == [[[0, 3, 4]], [[1, 2, 5]]]  # one row per data-parallel rank
+    assert got["padding"] == [5, 6]
+    for key in COMPARED:
         w, g = want["step"][key], got["step"][key]
-        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} under CP2 x DP2, {w!r} in one process"
-    logprobs = {tag: torch.load(dense_runs / f"{tag}_logprobs.pt") for tag in ("ref", "cp2_dp2")}
+        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} under CP2 x EP2, {w!r} under EP2"
+    logprobs = {tag: torch.load(expert_runs / f"{tag}_logprobs.pt") for tag in ("ep2", "cp2_ep2")}
     for when in ("before", "after"):
-        for i, (w, g) in enumerate(zip(logprobs["ref"][when], logprobs["cp2_dp2"][when])):
-            assert float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step differ from one process"
+        for i, (w, g) in enumerate(zip(logprobs["ep2"][when], logprobs["cp2_ep2"][when])):
+            assert float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step differ from EP2"
