@@ -154,3 +154,32 @@ def test_a_collective_update_that_fails_part_way_stops_generation_until_a_comple
     for generation in collective.generate(GREEDY):
         expected, _ = forward_logprobs(reference, generation, 0.0)
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_a_server_restarted_after_it_died_is_refused_until_the_next_update_reopens_its_group(collective, weights,
+                                                                                             model_folder):
+    """The last test of the module: it kills the server. No copy of the current weights is kept (that is the
+    point), so the restarted server, back on its launch folder, is not generated from until an update has given it
+    the trainer's weights again, over a new group."""
+    import os
+    import signal
+
+    new = perturbed(weights, 11)
+    collective.update_weights(stream(new), version=30)
+    server = collective.servers[0]
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    with pytest.raises(EngineError, match="restarted .* serves the weights it was started on, not weights version 30"):
+        collective.generate(GREEDY[:1])
+    assert server.incarnation == 1 and server.alive()
+    with pytest.raises(EngineError, match="no copy is kept"):
+        collective.generate(GREEDY[:1])  # still refused: nothing told it the trainer's weights yet
+    collective.update_weights(stream(new), version=31)
+    reference = hf_model(new, model_folder)
+    for generation in collective.generate(GREEDY):
+        assert generation.weight_version == 31
+        expected, argmax = forward_logprobs(reference, generation, 0.0)
+        assert list(generation.output_ids) == argmax.tolist()
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)

@@ -103,9 +103,13 @@ def export_of(trainer) -> tuple[dict, list[tuple[int, int]]]:
 
     tensors: dict = {}
     buckets = []
-    for bucket in export_hf(trainer, bucket_mb=BUCKET_MB):
+    stream = export_hf(trainer, bucket_mb=BUCKET_MB)
+    for bucket in stream:
         tensors.update(bucket)
         buckets.append((len(bucket), sum(t.numel() * t.element_size() for t in bucket.values())))
+    if rank0():  # the manifest, known before the first bucket, names what came, in order (the collective transfer
+        # checks an update against the served model from it before sending anything)
+        assert list(stream.manifest) == [(name, tuple(t.shape)) for name, t in tensors.items()], "manifest"
     return tensors, buckets
 
 
