@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     torch.set_num_threads(1)
-    from spade_mega.megatron import Trainer, checkpoint
+    from spade_mega.megatron import Trainer
     from spade_mega.megatron.parallel import shutdown
 
     disk, result = args.disk, {}
@@ -94,15 +94,15 @@ def main() -> None:
 
     rename = os.rename
 
-    def refused(src, dst):  # rank 0's rename of the new checkpoint into place: a folder turned read-only
-        if ".partial-" in str(src):
+    def refused(src, dst):  # rank 0's rename of the new checkpoint's folder into place: the root turned read-only
+        if ".partial-" in Path(src).name:  # not the files inside it (torch renames its .metadata into place)
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(src))
         return rename(src, dst)
 
     if rank == 0:
-        checkpoint.os.rename = refused
+        os.rename = refused
     result["replace"] = attempt(lambda: trainer.save(str(disk)))
-    checkpoint.os.rename = rename
+    os.rename = rename
     result["replace_listing"] = listing(disk)
     result["replace_first_files"] = files_of(first)
 

@@ -49,7 +49,7 @@ def test_a_checkpoint_that_cannot_be_renamed_into_place_leaves_the_one_it_replac
     disk, results = failures
     error = _same_on_both(results, "replace")
     assert error.startswith(f"{disk / 'step_00000001'}: the completion of this checkpoint failed (rank 0: OSError: "
-                            "[Errno 30] Read-only file system"), error
+                            f"[Errno 30] Read-only file system: '{disk}/.step_00000001.partial-"), error
     assert "its partial folder was removed), the previous checkpoint stays the newest" in error
     # the same step saved before was set aside for its replacement: back in place, every file as it was
     assert results[0]["replace_listing"] == ["step_00000001"]
