@@ -613,6 +613,30 @@ def test_build_engine_attaches_to_the_servers_of_spade_engine_urls(vllm, model_f
     assert vllm.generate(greedy)[0].finish_reason == "length"  # the attached server still runs
 
 
+@pytest.mark.engine
+def test_a_collective_update_to_a_server_without_the_transfer_engine_is_refused_naming_its_flags(vllm, model_folder,
+                                                                                                  weights):
+    """This module's server was started without --weight-transfer-config (weight_transfer folder): a collective
+    engine attached to it is told what the server needs, and nothing changes there (tests/test_weight_transfer.py
+    runs the collective path on a server started with them)."""
+    from spade_mega.inference.vllm import VLLMEngine
+
+    greedy = [request(PROMPTS[2], max_new_tokens=5, temperature=0.0)]
+    served = vllm.generate(greedy)[0].output_ids
+    collective = VLLMEngine.attach([vllm.servers[0].url], model_folder, eos_token_id=EOS,
+                                   weight_transfer="collective")
+    try:
+        assert collective._sync_root is None  # nothing is ever staged for it
+        with pytest.raises(EngineError, match=r"without a weight transfer engine[\s\S]*--weight-transfer-config "
+                                              r"\{\"backend\": \"spade\"\} --worker-extension-cls "
+                                              r"spade_mega.inference.vllm_worker.SpadeWorkerExtension"):
+            collective.update_weights([weights], version=1)
+        assert collective.weight_version == 0 and collective.generate(greedy)[0].output_ids == served
+    finally:
+        collective.close()
+    assert vllm.generate(greedy)[0].output_ids == served
+
+
 def test_attaching_needs_the_served_folder_and_a_shared_sync_dir_for_remote_servers(model_folder):
     from spade_mega.config.errors import ConfigError
     from spade_mega.inference.vllm import VLLMEngine
