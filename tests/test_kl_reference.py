@@ -5,7 +5,11 @@ host memory, swapped in for its log-probs) is tests/megatron/test_megatron_kl.py
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +17,13 @@ import torch
 from spade_mega.config import load_config
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import RLConfig
-from spade_mega.megatron.reference import reference_source
+from spade_mega.megatron.reference import check_reference, reference_source
 from spade_mega.rl.loss import KL_ESTIMATORS, LOW_VAR_KL_LIMIT, kl_to_reference, policy_loss
+from spade_mega.tokenizer import byte_tokenizer
 
 TINY = "examples/configs/tiny_cpu.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).with_name("spade-mega")
 
 
 def estimate(estimator: str, lp: float, ref: float) -> tuple[float, float]:
@@ -77,5 +84,51 @@ def test_the_reference_is_the_runs_initial_weights_unless_a_folder_is_named() ->
     assert reference_source(load_config(TINY)) == ("inference.hf_weights", None)  # the seeded initialisation
     assert reference_source(load_config(TINY, ["inference.hf_weights=/models/base"])) == \
         ("inference.hf_weights", "/models/base")
-    assert reference_source(load_config(TINY, ["inference.hf_weights=/models/base", "rl.reference=/models/sft"])) == \
-        ("rl.reference", "/models/sft")
+    assert reference_source(load_config(TINY, ["inference.hf_weights=/models/base", "rl.reference=/models/sft",
+                                               "rl.kl_coef=0.1"])) == ("rl.reference", "/models/sft")
+
+
+def test_a_named_reference_without_the_kl_term_is_refused_by_name() -> None:
+    """Nothing would read it: the run would train without the KL its user asked for, silently."""
+    with pytest.raises(ConfigError, match=r"rl\.reference: names /models/sft but rl\.kl_coef is 0"):
+        load_config(TINY, ["rl.reference=/models/sft"])
+    load_config(TINY, ["rl.reference=initial"])
+
+
+def test_a_reference_folder_that_cannot_be_read_is_refused_before_the_run_builds_anything(tmp_path: Path) -> None:
+    """spade-mega train with a missing rl.reference stops at once (exit 2, one line naming the field), before the
+    trainer and the engine are built: no run directory is written."""
+    missing = tmp_path / "sft_missing"
+    proc = subprocess.run([str(SCRIPT), "train", TINY, f"run.output_dir={tmp_path / 'runs'}", "rl.kl_coef=0.1",
+                           f"rl.reference={missing}"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rl.reference" in last and f"{missing}: no such folder" in last, last
+    assert not (tmp_path / "runs").exists()
+
+
+def test_reference_folders_are_checked_where_the_run_will_read_them(tmp_path: Path) -> None:
+    """A folder that is no checkpoint, an HF folder carrying another tokenizer (its token ids mean other things:
+    the KL would compare the policy with garbage), inference.hf_weights when a resumed run re-reads its initial
+    weights from it; nothing when the KL term is off or a new run takes the reference from its first step."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    foreign = tmp_path / "foreign"
+    other = byte_tokenizer()
+    other.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    other.save_pretrained(str(foreign))
+    (foreign / "config.json").write_text("{}")
+    same = tmp_path / "same"
+    byte_tokenizer().save_pretrained(str(same))
+    (same / "config.json").write_text("{}")
+    kl = ["rl.kl_coef=0.1"]
+    with pytest.raises(ConfigError, match=r"rl\.reference: cannot be read .* holds no complete checkpoint"):
+        check_reference(load_config(TINY, [*kl, f"rl.reference={empty}"]), resuming=False)
+    with pytest.raises(ConfigError, match=r"rl\.reference: cannot be read .* their token ids mean different"):
+        check_reference(load_config(TINY, [*kl, f"rl.reference={foreign}"]), resuming=False)
+    check_reference(load_config(TINY, [*kl, f"rl.reference={same}"]), resuming=False)
+    with pytest.raises(ConfigError, match=r"inference\.hf_weights: .*missing: no such folder"):
+        check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=True)
+    check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=False)
+    check_reference(load_config(TINY, [f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=True)

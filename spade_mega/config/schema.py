@@ -412,6 +412,11 @@ class RLConfig:
             value = getattr(self, name)
             _require(value >= 0.0, f"rl.{name}", f"must be >= 0, got {value}")
         _require(bool(self.reference), "rl.reference", "must be 'initial' or a checkpoint / Hugging Face folder")
+        # a named reference with the KL term off would be read by nothing: the run would train without the KL its
+        # user asked for, silently
+        _require(self.kl_coef > 0 or self.reference == "initial", "rl.reference",
+                 f"names {self.reference} but rl.kl_coef is 0: the reference policy is used only by the KL term, so "
+                 "it would be ignored; set rl.kl_coef > 0, or leave rl.reference at 'initial'")
 
 
 @dataclass

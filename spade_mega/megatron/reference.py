@@ -105,6 +105,35 @@ def prepare_reference(trainer: "Trainer", checkpoint: Optional[Path]) -> None:
         trainer.reference.capture()
 
 
+def check_reference(cfg: SpadeConfig, *, resuming: bool) -> None:
+    """Refuse, before anything is built, a reference folder the run will read and cannot use (every rank; no
+    collective): one that does not exist, a folder that is no complete spade-mega checkpoint and no Hugging Face
+    folder, or one whose tokenizer is not ``model.tokenizer``. Else the error came once the trainer was built and the
+    inference engine started, minutes into a job. The architecture is compared when it is read (load_reference)."""
+    if cfg.rl.kl_coef <= 0:
+        return
+    field, folder = reference_source(cfg)
+    if folder is not None and (resuming or field == "rl.reference"):
+        _check_folder(cfg, Path(folder), field)
+
+
+def _check_folder(cfg: SpadeConfig, path: Path, field: str) -> None:
+    from spade_mega.megatron.checkpoint import check_tokenizer, read_manifest, resolve_checkpoint
+    from spade_mega.tokenizer import check_folder_tokenizer
+
+    if not path.is_dir():
+        raise ConfigError(field, f"{path}: no such folder (the reference policy's weights: a spade-mega checkpoint "
+                                 "or a Hugging Face folder)")
+    try:
+        if (path / "config.json").is_file():
+            check_folder_tokenizer(path, cfg.model.tokenizer)
+        else:
+            checkpoint = resolve_checkpoint(path)
+            check_tokenizer(read_manifest(checkpoint), cfg.model.tokenizer, checkpoint)
+    except SpadeError as exc:
+        raise ConfigError(field, f"cannot be read as the reference policy: {exc}") from None
+
+
 def _check_same_layout(trainer: "Trainer", checkpoint: Path) -> None:
     from spade_mega.megatron.checkpoint import read_manifest, resolve_checkpoint
 
@@ -134,9 +163,7 @@ def load_reference(trainer: "Trainer", folder: str, *, field: str = "rl.referenc
         raise RuntimeError(f"a reference is loaded before the first optimizer step (the trainer is at step "
                            f"{trainer.step})")
     path = Path(folder)
-    if not path.is_dir():
-        raise ConfigError(field, f"{folder}: no such folder (the reference policy's weights: a spade-mega checkpoint "
-                                 "or a Hugging Face folder)")
+    _check_folder(trainer.cfg, path, field)
     if not reference.ready:
         reference.capture()
     reference.exchange()  # the policy is held, the model free to be read into

@@ -61,6 +61,7 @@ from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.checkpoint import CheckpointError
 from spade_mega.megatron.parallel import init_distributed
+from spade_mega.megatron.reference import check_reference
 from spade_mega.megatron.train import StepResult, Trainer
 from spade_mega.monitor import MetricsLogger, RunProgress, require_wandb, setup_logging, transcripts
 from spade_mega.monitor.records import METRICS_FILE, scan
@@ -582,6 +583,7 @@ class SelfPlay:
             checkpoint = self._checkpoint_to_resume()
             if checkpoint is None and cfg.inference.hf_weights is not None:  # before anything is built or written
                 check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)
+            check_reference(cfg, resuming=checkpoint is not None)  # rl.kl_coef > 0: its reference folder, read later
             init_distributed(cfg.parallel)  # before the lock, so that every rank gets its error
             # rank 0 alone writes the run directory; a second trainer on it stops here, before the model is built
             lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
