@@ -131,18 +131,14 @@ class PackedSegmentAttention(DotProductAttention):
         v = value.repeat_interleave(groups, dim=1).permute(1, 0, 2)[None]
         parts = []
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if size == 1:
-                parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end],
-                                                            v[:, :, start:end], is_causal=True,
-                                                            scale=self.softmax_scale))
-                continue
+            # this rank's queries of the segment (all of it, or chunks rank and 2*size-1-rank): positions in it
             chunk = (end - start) // (2 * size)
+            positions = torch.arange(end - start) if size == 1 else \
+                torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                           torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
             at = start // size
-            # this rank's queries are chunks rank and 2*size-1-rank of the segment: their positions in it
-            positions = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                                   torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
             visible = torch.arange(end - start)[None, :] <= positions[:, None]
-            parts.append(F.scaled_dot_product_attention(q[:, :, at:at + 2 * chunk], k[:, :, start:end],
+            parts.append(F.scaled_dot_product_attention(q[:, :, at:at + positions.numel()], k[:, :, start:end],
                                                         v[:, :, start:end], attn_mask=visible.to(q.device),
                                                         scale=self.softmax_scale))
         context = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

@@ -71,6 +71,16 @@ CHECK = textwrap.dedent("""
         out[name] = dict(shape=list(y1.shape), value=float((y1 - y2).abs().max()),
                          grad=max(float((a - b).abs().max()) for a, b in zip(g1, g2)),
                          scale=float(y2.abs().max()))
+    # the packed THD layout of context parallelism, here on one rank: [t, heads, dim] inputs, cu_seqlens
+    q, k, v = (torch.randn(100, 1, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    results = []
+    for y in (ours(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=row.packed_seq_params(torch.device("cpu"))),
+              theirs(q, k, v, row.attention_mask())[:, 0]):
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), (q, k, v))
+        results.append((y, grads))
+    (y1, g1), (y2, g2) = results
+    out["thd"] = dict(shape=list(y1.shape), value=float((y1 - y2).abs().max()),
+                      grad=max(float((a - b).abs().max()) for a, b in zip(g1, g2)))
     print(json.dumps(out))
     dist.destroy_process_group()
 """)
@@ -78,7 +88,8 @@ CHECK = textwrap.dedent("""
 
 def test_packed_attention_matches_megatrons_values_and_gradients() -> None:
     """Three samples and padding in a 100-token row, grouped-query heads: the same output and q/k/v gradients as
-    Megatron's DotProductAttention up to float rounding; a mask of another kind takes Megatron's own path (equal)."""
+    Megatron's DotProductAttention up to float rounding, from the mask and from the THD layout (context parallelism's,
+    on one rank); a mask of another kind takes Megatron's own path (equal)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -90,6 +101,7 @@ def test_packed_attention_matches_megatrons_values_and_gradients() -> None:
     assert out["packed"]["scale"] > 0.1
     assert out["packed"]["value"] < 1e-5 and out["packed"]["grad"] < 1e-5, out
     assert out["other"]["value"] == 0.0 and out["other"]["grad"] == 0.0, out
+    assert out["thd"]["shape"] == [100, 32] and out["thd"]["value"] < 1e-5 and out["thd"]["grad"] < 1e-5, out
 
 
 def test_the_cpu_layer_spec_uses_it() -> None:
