@@ -1,10 +1,10 @@
 """Context-parallel scenario for tests/megatron/test_megatron_context.py (gloo, CPU, one thread per process).
 
   step  any layout: with --load, the checkpoint --load (else build and save the initial weights to --out/init);
-        the plan's row compositions, the log-probs of the batch, one GRPO step, the log-probs after it, and (one
-        process, or context parallelism alone, where every rank holds all weights) the weights before and after; written to
-        --out/<tag>.json and <tag>_*.pt; with --resave also the log-probs after a save in this layout and its
-        reload. Nothing is asserted here.
+        the plan's row compositions, the log-probs of the batch, one GRPO step, the log-probs after it, and with
+        --weights (one process, or context parallelism alone, where every rank holds all weights) the weights
+        before and after; with --resave also the log-probs after a save in this layout and its reload. Written to
+        --out/<tag>.json and <tag>_*.pt; nothing is asserted here.
 
 The batch: six samples of different lengths, several in a row, none a multiple of 4, so that under CP2 every sample
 is padded inside its row segment (and the reference, one process, has no padding at all).
