@@ -711,8 +711,9 @@ class SelfPlay:
         # skipped steps) left its share unspent, so the run ended above optimizer.min_lr. Each rollout's steps start
         # at least where the plan puts the rollout (never back: one that took more steps runs ahead). Set from the
         # rollout index, so a run resumed from an earlier checkpoint (no-step rollouts save none) starts it alike.
+        # Not into or across the warmup: optimizer.warmup_steps warms up the first steps taken, however late.
         planned = (r - 1) * self._steps_per_rollout()
-        if trainer.scheduler.num_steps < planned:
+        if self.cfg.optimizer.warmup_steps <= trainer.scheduler.num_steps < planned:
             trainer.scheduler.step(increment=planned - trainer.scheduler.num_steps)
         started = time.perf_counter()
         gaps = []
