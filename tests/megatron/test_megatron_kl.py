@@ -118,3 +118,20 @@ def test_two_expert_parallel_ranks_match_one_process(runs) -> None:
     for step in STEPS:
         for key in ("loss", "grad_norm", "kl", "kl_agent", "kl_designer"):
             assert ep2[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-9), (step, key)
+
+
+@pytest.mark.multiproc
+def test_two_pipeline_stages_with_tied_embeddings_swap_both_copies(runs) -> None:
+    """PP2 with tied embeddings: the first stage's embedding and the last stage's output layer are two copies of one
+    weight, each swapped on its own stage. After three steps the reference log-probs are the initial model's exactly
+    (a copy left out of the swap would give the policy's output layer to the reference), the weights come back bit
+    for bit, the KL is 0 at the first step and grows."""
+    out = runs[0] / "pp2_tied"
+    out.mkdir()
+    run_worker(2, "straight", out, "--tag", "pp2", *KL, "parallel.pipeline=2", "model.tie_embeddings=true",
+               worker=KL_WORKER)
+    pp2 = read_json(out / "pp2.json")
+    assert pp2["weights_bit_exact_after_swap"]
+    assert pp2["reference_logprobs"] == pp2["initial_logprobs"]
+    assert max_diff(pp2["policy_logprobs"], pp2["initial_logprobs"]) > 1e-3
+    assert pp2["step1"]["kl"] == 0.0 and 0 < pp2["step2"]["kl"] < pp2["step4"]["kl"]
