@@ -143,3 +143,20 @@ def test_a_run_saved_with_a_since_removed_key_is_still_inspected(run_dir: Path,
     config.write_text(yaml.safe_dump(saved, sort_keys=False))
     assert main(["memory", "stats", "--run", str(run_dir)]) == 2
     assert "curriculum.memory.path" in capsys.readouterr().err
+
+
+def test_show_and_stats_of_an_evaluation_no_hint_play_measured(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """No hint play measured the agent (none configured, or every one broken): the memory holds no win rate with the
+    hint and no regret (NULL), shown as '-' by show and left out of the stats' means, not a crash formatting None."""
+    p = EnvProgram(SOURCE.replace("'o'", "'o0'"), "hint 0", "logic")
+    with EnvMemory(run_dir / "mem" / "env.sqlite") as mem:
+        mem.record_evaluation(p.content_hash, 5, 0.5, None, 4, 0)
+    assert main(["memory", "show", p.content_hash, "--run", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "        0     0.250      0.750   0.500            0.100      4           4" in out
+    assert "        5     0.500          -       -                -      4           0" in out
+    assert main(["memory", "stats", "--run", str(run_dir), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    # environment 0's last evaluation has no hint rate: environment 1's alone is averaged
+    assert (stats["mean_win_rate"], stats["mean_win_rate_hint"], stats["mean_regret"]) == (0.5, 0.75, 0.25), stats
+    assert stats["outcomes"] == {"frontier": 1, "other": 1}, stats
