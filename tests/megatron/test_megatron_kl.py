@@ -135,3 +135,19 @@ def test_two_pipeline_stages_with_tied_embeddings_swap_both_copies(runs) -> None
     assert pp2["reference_logprobs"] == pp2["initial_logprobs"]
     assert max_diff(pp2["policy_logprobs"], pp2["initial_logprobs"]) > 1e-3
     assert pp2["step1"]["kl"] == 0.0 and 0 < pp2["step2"]["kl"] < pp2["step4"]["kl"]
+
+
+def test_bf16_weights_with_fp32_main_copies(runs) -> None:
+    """bf16 parameters under the distributed optimizer, whose fp32 main copies the swap must leave alone: the policy
+    comes back bit for bit, the reference after three steps is the initial model exactly, and the KL step's gradients
+    are those of the shifted-advantage step (as in fp32)."""
+    out = runs[0] / "bf16"
+    out.mkdir()
+    run_worker(1, "straight", out, *KL, "model.params_dtype=bfloat16", worker=KL_WORKER)
+    bf16 = read_json(out / "straight.json")
+    assert bf16["weights_bit_exact_after_swap"]
+    assert bf16["reference_logprobs"] == bf16["initial_logprobs"]
+    assert bf16["step1"]["kl"] == 0.0 and 0 < bf16["step2"]["kl"] < bf16["step4"]["kl"]
+    gradients = torch.load(out / "gradients.pt")
+    with_kl, shifted = gradients["with_kl"], gradients["shifted"]
+    assert float(with_kl.norm()) > 0 and float((with_kl - shifted).norm() / with_kl.norm()) < 1e-5
