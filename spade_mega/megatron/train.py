@@ -34,6 +34,7 @@ from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import SpadeConfig
 from spade_mega.megatron import compat
 from spade_mega.megatron.batch import (
+    ROLES,
     BatchError,
     MicroBatch,
     PackPlan,
