@@ -220,6 +220,10 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x! y! = z!", "x! y! = 2z!"),
     ("\\binom{x}{y} = z", "\\binom{x}{z} = y"),
     ("x + y = 1", "x + y + 10^{-60}z = 1"),  # a tiny term is no constant factor
+    # both sides vanish at two of the three points (x > 0 there): every pair of points compared 0 with 0
+    ("|x| = x", "y|x| = xy"),
+    ("|x| = x", "(y+1)(|x| - x) = 0"),
+    ("\\sqrt{x^2} = x", "y\\sqrt{x^2} = xy"),
     ("|x| = 3", "x = 3"),
     ("y = 2x + 1", "x = \\frac{y + 1}{2}"),
     ("\\frac{x^2}{4} + \\frac{y^2}{3} = 1", "\\frac{x^2}{16} + \\frac{y^2}{12} = 1"),

@@ -750,17 +750,19 @@ def _proportional(a: Any, b: Any) -> bool:
     """Whether the equations ``a = 0`` and ``b = 0`` are the same one scaled: ``a`` is a non-zero constant times
     ``b`` (``2x = 6`` is ``x = 3``, ``y = 2x + 1`` is ``2x - y + 1 = 0``; ``(x - 3)^2 = 0`` is not ``x = 3``, whose
     solution set it shares: equations are not solved). Tested as ``a(p) b(q) = a(q) b(p)`` for each two of the
-    identity test's points p, q (a / b takes one value at all three), for ``a`` and ``b`` not 0 everywhere; an
-    equation in no variable is none. Not through derivatives (``a' b = a b'`` in every variable): those of factorials
+    identity test's points p, q (a / b takes one value at all three), for ``a`` and ``b`` each provably non-zero at
+    two of the points at least (both 0 at two points, every pair would compare 0 with 0: ``|x| = x`` is not
+    ``y|x| = xy``, and ``2|x| = 2x`` is refused with it); an equation in no variable is none. Not through derivatives (``a' b = a b'`` in every variable): those of factorials
     and binomials are polygamma functions, whose evaluation took 1-3 s an equation in three variables."""
     import sympy
 
     if _equal(a, b) or _equal(a, -b):
         return True
     variables = sorted(a.free_symbols | b.free_symbols, key=str)
-    zero = sympy.Integer(0)
-    if not variables or len(variables) > len(POINTS[0]) or _equal(a, zero) or _equal(b, zero):
-        return False
+    if not variables or len(variables) > len(POINTS[0]) or not all(
+            sum(_nonzero_at(sympy, side, {v: sympy.Float(c, PRECISION) for v, c in zip(variables, point)})
+                for point in POINTS) >= 2 for side in (a, b)):
+        return False  # each pair of points holds one where a and b are 0: 0 = 0 at every pair (|x| = x, y|x| = xy)
     copies = {v: sympy.Dummy(v.name) for v in variables}  # the variables at the second point
     pairs = [{**dict(zip(variables, p)), **dict(zip(copies.values(), q))} for p, q in itertools.combinations(POINTS, 2)]
     return _agree(sympy, a * b.xreplace(copies), a.xreplace(copies) * b, pairs)
