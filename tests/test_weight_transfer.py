@@ -183,3 +183,24 @@ def test_a_server_restarted_after_it_died_is_refused_until_the_next_update_reope
         expected, argmax = forward_logprobs(reference, generation, 0.0)
         assert list(generation.output_ids) == argmax.tolist()
         torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+
+
+def test_the_trainers_rendezvous_store_listens_only_on_the_address_the_servers_reach_it_by():
+    """The store hands out the group's addresses: reachable from every interface (torch's default), any process on
+    the network could put its own address in it and feed the servers weights, or read them."""
+    import os
+
+    import psutil
+
+    from spade_mega.inference.collective import rendezvous
+
+    store = rendezvous("127.0.0.1", 0, 2, host_it=True, timeout_s=5.0)
+    try:
+        listening = {c.laddr for c in psutil.Process(os.getpid()).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+        assert listening and {address.ip for address in listening} == {"127.0.0.1"}
+        worker = rendezvous("127.0.0.1", store.port, 2, host_it=False, timeout_s=5.0)
+        worker.set("rank1", "here")
+        assert store.get("rank1") == b"here"
+    finally:
+        del store

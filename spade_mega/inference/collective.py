@@ -15,6 +15,8 @@ names, dtypes and shapes over HTTP before the bytes arrive (:func:`layout`)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Sequence
@@ -79,9 +81,26 @@ class Group:
 
 def rendezvous(host: str, port: int, world_size: int, *, host_it: bool, timeout_s: float) -> dist.TCPStore:
     """The group's TCP store: hosted by the trainer (``host_it``; ``port`` 0 picks a free one, read it from
-    ``.port``), reached at ``host:port`` by the workers."""
-    return dist.TCPStore(host, port, world_size, is_master=host_it, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, use_libuv=True)
+    ``.port``), reached at ``host:port`` by the workers. The host listens on ``host`` only: torch's own store
+    listens on every interface, where any process on the network could write its address into the group's
+    rendezvous (and feed the servers weights, or read them)."""
+    listen_fd = None
+    if host_it:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        port, listen_fd = sock.getsockname()[1], sock.detach()  # the store owns the socket from here
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=host_it, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=listen_fd, use_libuv=True)
+    except BaseException:
+        if listen_fd is not None:
+            os.close(listen_fd)
+        raise
 
 
 def _aligned(offset: int) -> int:
