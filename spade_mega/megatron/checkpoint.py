@@ -385,9 +385,15 @@ def _begin_save(trainer: "Trainer", root: Path, keep: Optional[int],
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(partial, final)
-        fsync_path(root)
-        if keep is not None:
-            _prune(root, keep, final)
+        step = f"syncing {root}"  # the checkpoint is complete and in place from here: a failure must not say otherwise
+        try:
+            fsync_path(root)
+            step = "pruning the older checkpoints"
+            if keep is not None:
+                _prune(root, keep, final)
+        except OSError as exc:
+            raise CheckpointError(f"{final}: saved and in place, but {step} failed afterwards ({_failure(exc)}); "
+                                  "check that file system") from exc
 
     state = _sharded_state(trainer, is_loading=False, with_optimizer=with_optimizer)
     return partial, state, finish

@@ -10,7 +10,13 @@ remounts the disk between the phases; each rank records what every save raised i
   ro_end    the same with the disk remounted read-only; then a foreground save on the read-only disk
   killed    a background save whose writer rank 1 SIGKILLs (the OOM killer's signal)
   abandon   a background save with stalled writers, abandoned (an error exit): how long it took, what is left
-  final     a foreground save on the freed disk, then step 1 loaded: its weights as saved
+  final     a foreground save on the freed disk
+  synced    a foreground save of the next step whose sync of the root after the rename fails on rank 0 (EIO); then
+            step 1 loaded: its weights as saved
+
+With --no-mount (where no tmpfs can be mounted) --disk is a plain folder: full and the read-only phases are not run,
+and in full_end rank 0's completion fails on a file-size limit of its own process (EFBIG) instead of a full disk, so
+the agreement on rank 0's completion is still tested.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -77,6 +84,7 @@ def main() -> None:
     parser.add_argument("scenario", choices=["failures"])  # the launch helper's convention: one scenario here
     parser.add_argument("--out", type=Path)
     parser.add_argument("--disk", type=Path)
+    parser.add_argument("--no-mount", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     torch.set_num_threads(1)
@@ -120,36 +128,42 @@ def main() -> None:
     result["staging_listing"] = listing(disk)
 
     trainer.train_step(make_batch(2))
-    if rank == 0:
-        fill(disk, 8192)
-    dist.barrier()
-    result["full"] = attempt(lambda: trainer.save(str(disk)))
-    result["full_listing"] = listing(disk)
-    if rank == 0:
-        (disk / "filler").unlink()
+    mounted = not args.no_mount
+    if mounted:
+        if rank == 0:
+            fill(disk, 8192)
+        dist.barrier()
+        result["full"] = attempt(lambda: trainer.save(str(disk)))
+        result["full_listing"] = listing(disk)
+        if rank == 0:
+            (disk / "filler").unlink()
 
     trainer.save(str(disk), background=True)
     written(disk)
-    if rank == 0:
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 0 and mounted:
         fill(disk, 0)
+    elif rank == 0:  # no file of rank 0's may grow past 1 byte: its .metadata fails as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, limits[1]))
     dist.barrier()
     result["full_end"] = attempt(lambda: trainer.finish_save(wait=True))
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
     result["full_end_listing"] = listing(disk)
-    if rank == 0:
+    if rank == 0 and mounted:
         (disk / "filler").unlink()
-
-    trainer.save(str(disk), background=True)
-    written(disk)
-    if rank == 0:
-        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-    dist.barrier()
-    result["ro_end"] = attempt(lambda: trainer.finish_save(wait=True))
-    result["ro_start"] = attempt(lambda: trainer.save(str(disk)))
-    result["ro_listing"] = listing(disk)
-    dist.barrier()
-    if rank == 0:
-        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
-    dist.barrier()
+    if mounted:
+        trainer.save(str(disk), background=True)
+        written(disk)
+        if rank == 0:
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        dist.barrier()
+        result["ro_end"] = attempt(lambda: trainer.finish_save(wait=True))
+        result["ro_start"] = attempt(lambda: trainer.save(str(disk)))
+        result["ro_listing"] = listing(disk)
+        dist.barrier()
+        if rank == 0:
+            subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        dist.barrier()
 
     with stalled_writer(60, stall=rank == 1):
         trainer.save(str(disk), background=True)
@@ -174,6 +188,22 @@ def main() -> None:
 
     result["final"] = trainer.save(str(disk))
     result["final_listing"] = listing(disk)
+
+    from spade_mega.megatron import checkpoint
+
+    trainer.train_step(make_batch(4))
+    sync = checkpoint.fsync_path
+
+    def failing(path):  # the root's sync, after the new checkpoint's rename into it
+        if Path(path) == disk:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))  # as os.fsync raises it: no file name
+        return sync(path)
+
+    if rank == 0:
+        checkpoint.fsync_path = failing
+    result["synced"] = attempt(lambda: trainer.save(str(disk)))
+    checkpoint.fsync_path = sync
+    result["synced_listing"] = listing(disk)
     trainer.load(str(first))
     loaded = weights(trainer)
     result["first_as_saved"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
