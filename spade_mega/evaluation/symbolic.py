@@ -752,8 +752,9 @@ def _proportional(a: Any, b: Any) -> bool:
     solution set it shares: equations are not solved). Tested as ``a(p) b(q) = a(q) b(p)`` for each two of the
     identity test's points p, q (a / b takes one value at all three), for ``a`` and ``b`` each provably non-zero at
     two of the points at least (both 0 at two points, every pair would compare 0 with 0: ``|x| = x`` is not
-    ``y|x| = xy``, and ``2|x| = 2x`` is refused with it); an equation in no variable is none. Not through derivatives (``a' b = a b'`` in every variable): those of factorials
-    and binomials are polygamma functions, whose evaluation took 1-3 s an equation in three variables."""
+    ``y|x| = xy``, and ``2|x| = 2x`` is refused with it); an equation in no variable is none. Not through
+    derivatives (``a' b = a b'`` in every variable): those of factorials and binomials are polygamma functions, whose
+    evaluation took 1-3 s an equation in three variables."""
     import sympy
 
     if _equal(a, b) or _equal(a, -b):
