@@ -27,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import pickle
 import resource
 import signal
 import subprocess
@@ -60,6 +61,28 @@ def files_of(path: Path) -> dict[str, str]:
 
 def listing(disk: Path) -> list[str]:
     return sorted(p.name for p in disk.iterdir())
+
+
+def as_megatron_saves(trainer, saved: Path, own: Path) -> dict[str, bool]:
+    """Whether the checkpoint spade-mega completed (``saved``) is what Megatron-Core's own save of the same state
+    writes (into ``own``, on every rank: collective): the same data files and metadata.json byte for byte, and torch's
+    .metadata with the same entries, every rank's write results merged (all but its storage_meta: the folder and a
+    save id)."""
+    from megatron.core import dist_checkpointing
+
+    from spade_mega.megatron.checkpoint import MANIFEST, _sharded_state
+
+    if dist.get_rank() == 0:
+        own.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_optimizer=True), str(own))
+    ours, megatron = files_of(saved), files_of(own)
+    metadata = [pickle.loads((path / ".metadata").read_bytes()) for path in (saved, own)]
+    fields = ("state_dict_metadata", "storage_data", "planner_data")
+    return {"files": {k: v for k, v in ours.items() if k not in (".metadata", MANIFEST)} ==
+            {k: v for k, v in megatron.items() if k != ".metadata"},
+            "metadata": all(getattr(metadata[0], f) == getattr(metadata[1], f) for f in fields),
+            "two_ranks_written": sum(name.endswith(".distcp") for name in megatron) == 2}
 
 
 def attempt(save: Callable[[], object]) -> str | None:
@@ -99,6 +122,7 @@ def main() -> None:
     trainer.save(str(disk))
     first = disk / "step_00000001"
     result["first_files"] = files_of(first)
+    result["as_megatron_saves"] = as_megatron_saves(trainer, first, args.out / "megatron_own")
 
     rename = os.rename
 

@@ -47,6 +47,15 @@ def _same_on_both(results: list[dict], phase: str) -> str:
 
 
 @pytest.mark.multiproc
+def test_the_checkpoint_spade_mega_completes_is_the_one_megatron_completes(failures) -> None:
+    """spade-mega completes a save in Megatron-Core's stead (checkpoint._SaveFiles): the same data files and
+    metadata.json byte for byte as Megatron's own save of the same state on the same two ranks, and torch's .metadata
+    with the same entries (each rank's write results merged), so Megatron and torch read it as their own."""
+    _, results = failures
+    assert results[0]["as_megatron_saves"] == {"files": True, "metadata": True, "two_ranks_written": True}
+
+
+@pytest.mark.multiproc
 def test_a_checkpoint_that_cannot_be_renamed_into_place_leaves_the_one_it_replaced(failures) -> None:
     disk, results = failures
     error = _same_on_both(results, "replace")
