@@ -10,6 +10,7 @@ Results go to --out as JSON and .pt files that tests/megatron/test_megatron_kl.p
             (prepare_reference, then its load): the reference log-probs of A, the steps on C and A; one whose initial
             weights are the straight run's as a Hugging Face folder (inference.hf_weights): the reference log-probs;
             a new run whose rl.reference names the straight run's step-2 checkpoint: its policy and reference
+  plain     one process, rl.kl_coef 0: the first step on batch A
 """
 
 from __future__ import annotations
@@ -185,9 +186,18 @@ def loop_metrics(trainer, args) -> dict:
     return {k: v for k, v in metrics.items() if k.startswith("train/kl") or k == "train/steps"}
 
 
+def scenario_plain(args) -> None:
+    """One process, the KL term off: the first step on batch A (the straight run's step 1, where the reference is
+    the policy and the KL term adds nothing, but the reference forward runs)."""
+    from spade_mega.megatron import Trainer
+
+    trainer = Trainer(config(args.overrides))
+    write_json(args.out / f"{args.tag}.json", {"step1": trainer.train_step(make_batch(1)).metrics})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["straight", "resumed"])
+    parser.add_argument("scenario", choices=["straight", "resumed", "plain"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="straight")
     parser.add_argument("--init", default=None)
@@ -195,7 +205,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     torch.set_num_threads(1)
-    {"straight": scenario_straight, "resumed": scenario_resumed}[args.scenario](args)
+    {"straight": scenario_straight, "resumed": scenario_resumed, "plain": scenario_plain}[args.scenario](args)
     from spade_mega.megatron.parallel import shutdown
 
     shutdown()

@@ -151,3 +151,15 @@ def test_bf16_weights_with_fp32_main_copies(runs) -> None:
     gradients = torch.load(out / "gradients.pt")
     with_kl, shifted = gradients["with_kl"], gradients["shifted"]
     assert float(with_kl.norm()) > 0 and float((with_kl - shifted).norm() / with_kl.norm()) < 1e-5
+
+
+def test_the_reference_forward_leaves_the_policy_step_alone(runs) -> None:
+    """At the first step the reference is the policy, where the k3 term is 0 with a gradient of exactly 0: the KL
+    run's step is then the kl_coef-0 run's bit for bit (loss, gradient norm, MoE load-balancing loss), so the extra
+    no-grad forward changes no state the step uses (router statistics, RNG, the DDP buffers)."""
+    out, straight, _ = runs
+    run_worker(1, "plain", out, "--tag", "plain", "optimizer.clip_grad=0.0", worker=KL_WORKER)
+    plain = read_json(out / "plain.json")["step1"]
+    with_kl = {k: v for k, v in straight["step1"].items() if not k.startswith("kl") and k not in TIMING}
+    assert "moe_load_balancing_loss" in with_kl
+    assert with_kl == {k: v for k, v in plain.items() if k not in TIMING}
