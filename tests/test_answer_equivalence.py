@@ -113,6 +113,7 @@ SAME = [  # (answer the model boxed, reference)
     ("3\\text{ hours}", "3"),
     ("60\\text{ miles per hour}", "60"),
     ("25\\text{ percent}", "25"),  # as 25\\% (a unit before the whitelist too)
+    ("25\\text{ percent}", "0.25"),  # its number / 100 too, as 25\\%
     ("4.5\\text{ cm}^2", "4.5"),
     ("20\\text{ cm}^{2}", "20\\text{ cm}^2"),
     ("2\\mathrm{x}", "2x"),  # an upright x is still x
@@ -251,6 +252,7 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("3\\mathrm{i}", "3"),
     ("2\\text{ halves}", "2"),
     ("4\\text{ cm}^2", "4\\text{ cm}"),  # an area is not a length
+    ("25\\text{ percent}", "2500\\%"),  # 25 percent is 25\\% (was 25 of a unit: 2500\\% / 100)
     ("(-8)^{1/3}", "1 + \\sqrt{3}i"),  # the real root, not sympy's principal one
     ("(-8)^{1/3}", "2"),
     ("x \\in [-2, 7]", "[-2, 7)"),

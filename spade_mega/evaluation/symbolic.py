@@ -608,6 +608,8 @@ def _answer(raw: str, top: bool = False) -> Answer:
         if answer.kind != "expr":
             raise Refused("a scale word after a list or an equation")
         answer = replace(answer, value=answer.value * sympy.Rational(unit.factor.numerator, unit.factor.denominator))
+    if unit.name.lower().removesuffix("s") == "percent":  # the percent sign in words: 25\text{ percent} is 25\%
+        return replace(answer, percent=True)  # (as a unit, 2500\% / 100 equalled it)
     return replace(answer, unit=answer.unit or unit.name)
 
 
