@@ -14,7 +14,7 @@ import random
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -134,17 +134,28 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
     return dist.get_world_size()
 
 
-def initialize(layout: ParallelLayout, seed: int, timeout_min: float = 30.0) -> None:
-    """Build Megatron's process groups for ``layout`` (replacing any previous ones; their collectives time out after
-    ``timeout_min``, in whole minutes as Megatron takes it) and seed all generators."""
+# the process groups the last initialize() built (Megatron's): what release() destroys by default
+_built: tuple[Any, ...] = ()
+
+
+def _registered_groups() -> list[Any]:
+    """Every process group torch.distributed holds: its registry (torch has no public listing of it)."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def initialize(layout: ParallelLayout, seed: int, timeout_min: float = 30.0) -> tuple[Any, ...]:
+    """Build Megatron's process groups for ``layout`` (releasing any previous ones; their collectives time out after
+    ``timeout_min``, in whole minutes as Megatron takes it) and seed all generators. Returns the groups built, for
+    :func:`release`."""
+    global _built
     compat.install()
     from megatron.core import parallel_state as ps
 
     if dist.get_world_size() != layout.world_size:
         raise ConfigError("parallel", f"layout was resolved for {layout.world_size} processes, "
                                       f"but {dist.get_world_size()} are running")
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    release()
+    known = set(_registered_groups())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor,
         pipeline_model_parallel_size=layout.pipeline,
@@ -154,7 +165,27 @@ def initialize(layout: ParallelLayout, seed: int, timeout_min: float = 30.0) -> 
         expert_tensor_parallel_size=layout.expert_tensor,
         distributed_timeout_minutes=max(1, round(timeout_min)),
     )
+    _built = tuple(group for group in _registered_groups() if group not in known)
     seed_everything(seed)
+    return _built
+
+
+def release(groups: Optional[tuple[Any, ...]] = None) -> None:
+    """Destroy Megatron's process groups: ``groups`` (what an :func:`initialize` returned), by default the current
+    ones. Megatron's destroy_model_parallel only drops its own references, and torch keeps every group registered
+    until it is destroyed, with its transport (over gloo a socket, an epoll and two pipes each; ~21 groups per
+    layout): a process that trains several times (a sweep, a notebook, the tests) ran out of descriptors. Megatron's
+    references are dropped only when ``groups`` are its current ones; groups already destroyed are skipped."""
+    global _built
+    if groups is None or groups is _built:
+        groups, _built = _built, ()
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    registered = set(_registered_groups())
+    for group in groups:
+        if group in registered:
+            dist.destroy_process_group(group)
 
 
 def seed_everything(seed: int) -> None:
@@ -171,8 +202,6 @@ def seed_everything(seed: int) -> None:
 def shutdown() -> None:
     """Tear down Megatron's groups (when any were built) and the default process group: tests and tools that run
     several layouts, and every command on its way out (see spade_mega.cli)."""
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    release()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -44,7 +44,7 @@ from spade_mega.megatron.batch import (
     samples_from,
 )
 from spade_mega.megatron.objective import Objective, select_objective
-from spade_mega.megatron.parallel import ParallelLayout, init_distributed, initialize, resolve_layout
+from spade_mega.megatron.parallel import ParallelLayout, init_distributed, initialize, release, resolve_layout
 from spade_mega.megatron.providers import (
     Backend,
     build_model_chunks,
@@ -97,7 +97,7 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.layout: ParallelLayout = resolve_layout(cfg.parallel, self.model_cfg, init_distributed(cfg.parallel))
-        initialize(self.layout, cfg.run.seed, cfg.parallel.collective_timeout_min)
+        self.groups = initialize(self.layout, cfg.run.seed, cfg.parallel.collective_timeout_min)
         self.config = transformer_config(self.model_cfg, cfg.parallel, self.backend)
         chunks = build_model_chunks(self.model_cfg, self.config, self.backend)
 
@@ -453,6 +453,28 @@ class Trainer:
             log.warning("%s: not completed (the run stopped on an error while it was written in the background: its "
                         "writer was stopped, its partial folder removed); the previous checkpoint stays the newest",
                         pending.path)
+
+    def close(self) -> None:
+        """Free what the trainer holds beyond itself, for a process that trains more than once (a sweep, a notebook,
+        the tests); collective, and the trainer is unusable after it. A background save is completed first.
+
+        Each trainer lived as long as the process, with its weights, optimizer state and process groups: DDP's
+        gradient hooks sit on the parameters' gradient accumulators (autograd's C++ nodes, which the garbage
+        collector cannot see through) and hold DDP, hence the model; the nodes were held by the optimizer's fp32
+        shards (views of the parameters; the optimizer was held by the model's config, ``grad_scale_func``) and by
+        the last step's graph, which the MoE dispatcher keeps (its ``probs``). Both links are cut here (the model
+        leaves its DDP wrapper); Megatron's process-global MoE metrics and rotary cache, which hold the model's
+        groups, are emptied; the groups are destroyed (parallel.release)."""
+        self.finish_save(wait=True)
+        self.config.grad_scale_func = None
+        for chunk in self.model:
+            chunk.module = None
+        if self.model_cfg.num_experts:
+            compat.reset_moe_metrics()
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        RotaryEmbedding.forward.cache_clear()
+        release(self.groups)
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);

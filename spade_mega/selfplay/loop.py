@@ -594,15 +594,19 @@ class SelfPlay:
                 with self._open_metrics(state.rollout if checkpoint is not None and state is not None else None) \
                         as metrics:
                     trainer = Trainer(cfg, total_steps=self._steps_estimate())
-                    actor = _from_rank0(self._start_actor, share=False)
-                    try:
+                    actor: Optional[_Actor] = None
+                    try:  # closed finished or failed: a process running several runs (a sweep) keeps none of them
+                        actor = _from_rank0(self._start_actor, share=False)
                         return self._run(trainer, actor, checkpoint, state, stop, metrics)
                     except BaseException:
                         trainer.abandon_save()
                         raise
                     finally:
-                        if actor is not None:
-                            actor.close()
+                        try:
+                            if actor is not None:
+                                actor.close()
+                        finally:
+                            trainer.close()
             finally:
                 if lock is not None:
                     lock.close()
