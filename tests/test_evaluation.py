@@ -559,6 +559,54 @@ def test_under_torchrun_only_rank_0_scores_a_hugging_face_folder(tmp_path: Path,
     assert not out.exists() and "accuracy" not in rank1.stdout
 
 
+def test_a_server_eval_starts_leaves_no_scratch_folder_when_it_fails_or_is_killed(tmp_path: Path,
+                                                                                   hf_folder: Path) -> None:
+    """A server `eval` starts writes its log (and, without inference.hf_weights, its random starting folder: the
+    model's size) into a spade-eval-* folder of $TMPDIR: removed when that server fails to start; one left by an
+    eval killed with SIGKILL (SIGTERM too: Python runs no cleanup on it) is removed by the next eval, as the engine's
+    staging folders are, and one of an eval still running is not. No vllm needed: the server's "python" here never
+    serves (a sleep) or exits at once."""
+    import signal
+    import time
+
+    never, fails = tmp_path / "never-serves", tmp_path / "fails"
+    never.write_text("#!/bin/sh\nexec sleep 300\n")
+    fails.write_text("#!/bin/sh\necho no vllm here\nexit 1\n")
+    never.chmod(0o755)
+    fails.chmod(0o755)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    weights = ["--hf-weights", str(hf_folder)]
+    command = [str(SCRIPT), "eval", str(TINY), "rollout.engine=vllm", f"run.output_dir={tmp_path / 'runs'}",
+               "inference.startup_timeout_s=300"]
+    env = {**ONE_THREAD, "TMPDIR": str(scratch)}
+
+    def waiting() -> tuple[subprocess.Popen, Path]:  # an eval waiting for its server, and its scratch folder
+        started = set(scratch.glob("spade-eval-*/*/vllm-server.log"))
+        process = subprocess.Popen([*command, f"inference.server_python={never}", *weights], env=env, cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240
+        while not (new := set(scratch.glob("spade-eval-*/*/vllm-server.log")) - started):
+            assert process.poll() is None and time.monotonic() < deadline, "the eval never started its server"
+            time.sleep(0.5)
+        return process, new.pop().parents[1]
+
+    killed, left = waiting()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    running, its_own = waiting()
+    try:
+        failed = subprocess.run([*command, f"inference.server_python={fails}", *weights], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+        assert failed.returncode == 2 and "no vllm here" in failed.stderr, failed.stderr[-3000:]
+        assert not left.exists() and its_own.is_dir()  # the dead eval's folder went, the running one's stays
+        assert {p.name for p in scratch.iterdir()} == {its_own.name, f"{its_own.name}.owner"}  # the failed one's too
+    finally:
+        running.send_signal(signal.SIGTERM)
+        running.wait()
+    assert not (tmp_path / "runs").exists()  # nothing of any of them in the run directory
+
+
 def test_eval_refuses_without_weights_or_with_an_unknown_suite(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", str(TINY)]) == 2

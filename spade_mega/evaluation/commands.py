@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -78,7 +79,7 @@ def _eval(args: argparse.Namespace) -> int:
         source = {"hf_weights": str(Path(folder).absolute())}
     rank = dist.get_rank() if dist.is_initialized() else 0
     parts: list[Any] = []  # rank 0's engine and sandbox pool, closed at the end
-    scratch: list[tempfile.TemporaryDirectory] = []  # a server started here: its folder, removed at the end
+    scratch: list[tuple[Path, tuple[int, Path]]] = []  # a server started here: its folder and lock, removed at the end
 
     def start() -> Evaluator:
         """Rank 0's engine, pool and evaluator (which reads the suites: a bad one fails before the weights move).
@@ -86,12 +87,16 @@ def _eval(args: argparse.Namespace) -> int:
         server it starts writes its starting folder (randomly initialised weights, without inference.hf_weights)
         and its log into a temporary folder of this command's, never into the run directory: that is the run's
         (its own server restarts on its folder there, while it trains), maybe read-only, and two evaluations at
-        once would rewrite one folder under each other's servers."""
+        once would rewrite one folder under each other's servers. The folder is locked while this process lives, as
+        the engine's staging folders are: one that an eval killed without cleanup left (SIGKILL, or SIGTERM, on
+        which Python runs none) is removed by the next eval."""
+        from spade_mega.inference.server import _own_sync_root
+
         tokenizer = load_tokenizer(cfg.model.tokenizer)
         engine_cfg = cfg
         if cfg.rollout.engine != "hf" and not attached:
-            scratch.append(tempfile.TemporaryDirectory(prefix="spade-eval-"))
-            engine_cfg = replace(cfg, run=replace(cfg.run, output_dir=scratch[0].name))
+            scratch.append(_own_sync_root(Path(tempfile.gettempdir()), prefix="spade-eval-"))
+            engine_cfg = replace(cfg, run=replace(cfg.run, output_dir=str(scratch[0][0])))
         engine = build_engine(engine_cfg, tokenizer, release_memory=False)
         parts.append(engine)
         if attached:  # a colocated run killed while it stepped left them asleep: they would neither load nor serve
@@ -120,10 +125,14 @@ def _eval(args: argparse.Namespace) -> int:
         assert evaluator is not None
         results = evaluator.evaluate()
     finally:
-        for part in reversed(parts):
-            part.close()
-        for folder in scratch:
-            folder.cleanup()
+        try:
+            for part in reversed(parts):
+                part.close()
+        finally:  # after its server stopped writing into it
+            for own, (fd, lock) in scratch:
+                shutil.rmtree(own, ignore_errors=True)
+                lock.unlink(missing_ok=True)
+                os.close(fd)
     scored = f"{source['checkpoint']} (step {source['step']})" if "checkpoint" in source else source["hf_weights"]
     print(f"scored {scored}, run.seed {cfg.run.seed}")
     print(format_table(results))

@@ -417,15 +417,16 @@ def _default_sync_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _own_sync_root(root: Path) -> tuple[Path, tuple[int, Path]]:
+def _own_sync_root(root: Path, prefix: str = "spade-weights-") -> tuple[Path, tuple[int, Path]]:
     """A new staging folder of this process's own in ``root``, with the descriptor and path of its lock file (beside
     it: ``<folder>.owner``, locked with flock while the process lives). First, the folders of engines whose process
     is gone are removed: one killed without cleanup (torchrun's SIGTERM, kill -9, the OOM killer) left its staged
     weights, and the copy kept for restarts, in memory (/dev/shm) until the node reboots. The kernel drops a dead
-    process's flock, so a lock that can be taken has no engine; a folder without a lock file is left alone."""
+    process's flock, so a lock that can be taken has no engine; a folder without a lock file is left alone.
+    ``prefix`` names the folders of one use (``spade-eval-``: the folder of a server ``spade-mega eval`` starts)."""
     import fcntl
 
-    for lock in root.glob("spade-weights-*.owner"):
+    for lock in root.glob(f"{prefix}*.owner"):
         try:
             fd = os.open(lock, os.O_RDONLY)
         except OSError:  # another user's, or just removed
@@ -440,7 +441,7 @@ def _own_sync_root(root: Path) -> tuple[Path, tuple[int, Path]]:
         shutil.rmtree(folder, ignore_errors=True)
         lock.unlink(missing_ok=True)
         os.close(fd)
-    folder = Path(tempfile.mkdtemp(prefix="spade-weights-", dir=root))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
     lock, pending = root / f"{folder.name}.owner", root / f"{folder.name}.owner-new"
     fd = os.open(pending, os.O_WRONLY | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it has the name a sweep looks for
