@@ -607,6 +607,30 @@ def test_a_server_eval_starts_leaves_no_scratch_folder_when_it_fails_or_is_kille
     assert not (tmp_path / "runs").exists()  # nothing of any of them in the run directory
 
 
+def test_a_starting_folder_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    """The random starting folder of a server started without inference.hf_weights takes the model's full size (in
+    $TMPDIR under `eval`, often a small disk): a write that fails (here a file size limit, as a full disk) is an
+    error naming the folder and what to do, not safetensors' raw serialisation error."""
+    folder = tmp_path / "engine-model"
+    script = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+from spade_mega.config.loader import load_config
+from spade_mega.errors import SpadeError
+from spade_mega.inference.server import write_model_folder
+from spade_mega.tokenizer import load_tokenizer
+cfg = load_config({str(TINY)!r})
+try:
+    write_model_folder(Path({str(folder)!r}), cfg.model, load_tokenizer(cfg.model.tokenizer))
+except SpadeError as exc:
+    sys.exit(f"refused: {{exc}}")
+"""
+    done = subprocess.run([sys.executable, "-c", "from pathlib import Path\n" + script], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=ONE_THREAD)
+    assert done.returncode == 1 and "refused: " in done.stderr, done.stderr[-3000:]
+    assert str(folder) in done.stderr and "inference.hf_weights" in done.stderr and "File too large" in done.stderr
+
+
 def test_eval_refuses_without_weights_or_with_an_unknown_suite(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", str(TINY)]) == 2

@@ -383,8 +383,14 @@ def write_model_folder(folder: Path, model: Any, tokenizer: Any, *, seed: int = 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), dtype=dtype)
-    hf_model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
+    try:
+        hf_model.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+    except Exception as exc:  # safetensors raises its own error for a full disk: "I/O error: No space left"
+        raise EngineError(f"cannot write the randomly initialised folder a server starts on, {folder} ({exc}): it "
+                          "takes the model's full size; free space there (spade-mega eval writes it into $TMPDIR: "
+                          "set TMPDIR to a larger disk), or give inference.hf_weights, a Hugging Face folder to start "
+                          "on") from exc
     return folder
 
 
