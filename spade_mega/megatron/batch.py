@@ -220,6 +220,11 @@ class PackPlan:
     def num_micro_batches(self) -> int:
         return len(self.micro_batches[0])
 
+    @property
+    def num_real_micro_batches(self) -> int:
+        """Micro-batches holding a sample, over all data-parallel ranks (the others are all padding)."""
+        return sum(bool(mb.samples) for mbs in self.micro_batches for mb in mbs)
+
 
 def _round_up(value: int, multiple: int) -> int:
     return max(multiple, math.ceil(value / multiple) * multiple)

@@ -727,9 +727,37 @@ def reset_moe_metrics() -> None:
         destroy_moe_metrics_tracker()
 
 
-def moe_load_balancing_loss(num_layers: int, num_micro_batches: int) -> Optional[float]:
+@contextlib.contextmanager
+def moe_aux_loss_scaled(config: Any, factor: float) -> Iterator[None]:
+    """Within it, the schedule scales the gradient of the MoE load-balancing loss by ``factor`` on top of its own
+    ``grad_scale_func / num_microbatches`` (``config.moe_grad_scale_func``, the schedule's hook for that scale; set
+    back to unset after). A factor of 1 sets nothing. megatron-core without the hook (< 0.19) keeps its own scale,
+    with a warning."""
+    if factor == 1.0:
+        yield
+        return
+    if not any(f.name == "moe_grad_scale_func" for f in dataclasses.fields(config)):
+        warnings.warn("this megatron-core has no moe_grad_scale_func: the MoE load-balancing loss's gradient is "
+                      "averaged over the all-padding micro-batches too", RuntimeWarning)
+        yield
+        return
+
+    def scale() -> torch.Tensor:
+        one = torch.ones(1)
+        return (config.grad_scale_func(one) if config.grad_scale_func is not None else one) * factor
+
+    config.moe_grad_scale_func = scale
+    try:
+        yield
+    finally:
+        config.moe_grad_scale_func = None
+
+
+def moe_load_balancing_loss(num_layers: int, num_micro_batches: float) -> Optional[float]:
     """The router load-balancing loss (without its coefficient) recorded since the last call, averaged over layers
-    and micro-batches and reduced across ranks; the tracker is cleared. Collective: every rank must call it.
+    and ``num_micro_batches`` (each rank's values are divided by it before the data-parallel average; a fraction
+    where ranks hold different numbers of real micro-batches) and reduced across ranks; the tracker is cleared.
+    Collective: every rank must call it.
 
     megatron-core >= 0.17 keeps MoE metrics in ``moe_logging.get_moe_metrics_tracker()``; 0.16 in
     ``moe_utils.track_moe_metrics``."""

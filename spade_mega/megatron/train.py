@@ -15,7 +15,7 @@ every sample, :meth:`MicroBatch.context_shard`); its loss is the share of its to
 CP size and DDP averages gradients over DP x CP, so the shares still sum to the full-batch gradient. The MoE
 load-balancing loss is added by Megatron's routers with the same averaging, over the
 real tokens of each micro-batch: padding is given to the model as its ``padding_mask`` (an all-padding micro-batch
-adds nothing).
+adds nothing, and its average is taken over the micro-batches holding samples only).
 """
 
 from __future__ import annotations
@@ -313,6 +313,10 @@ class Trainer:
         plan = self._plan(batch)
         micro_batches = plan.micro_batches[self._ps.get_data_parallel_rank()]
         scale = self.layout.data * len(micro_batches)
+        # Megatron averages the MoE load-balancing loss (gradient and logged value) over the micro-batches a rank
+        # runs, empty ones included (interleaved-schedule rounding, a short data-parallel share): average it over the
+        # real micro-batches of all data-parallel ranks instead (per rank, before the DP average: their count / DP)
+        aux_micro_batches = plan.num_real_micro_batches / self.layout.data
         has_rollout = any(s.rollout_logprobs is not None for s in batch)
         mean_keys = _MEAN_METRICS + (_TIS_METRICS if has_rollout else ()) + \
             (("entropy",) if self.objective.needs_entropy else ())
@@ -353,7 +357,8 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.model_cfg.num_experts:
             compat.reset_moe_metrics()  # process-global: another model may have sized or filled it
-        self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        with compat.moe_aux_loss_scaled(self.config, len(micro_batches) / aux_micro_batches):
+            self._run_schedule(micro_batches, loss_fn, forward_only=False)
         updated, grad_norm = False, None  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)
         if self._gradients_finite():
             updated, grad_norm, _ = self.optimizer.step()  # itself skips a norm overflow (norm_overflow_skip)
@@ -364,7 +369,7 @@ class Trainer:
 
         dist.all_reduce(sums)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        aux = compat.moe_load_balancing_loss(self.model_cfg.num_layers, len(micro_batches)) \
+        aux = compat.moe_load_balancing_loss(self.model_cfg.num_layers, aux_micro_batches) \
             if self.model_cfg.num_experts else None
         elapsed = time.perf_counter() - start
         tokens = sum(len(s) for s in batch)

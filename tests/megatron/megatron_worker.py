@@ -7,6 +7,7 @@
              of batch B and two more steps (B, C): the uninterrupted run
   resume     any layout: load --load, logits of batch B, steps B and C; with --dump, first load each --dump
              checkpoint and write its full weights (needs one process)
+  weights    one process: only write the full weights of each --dump checkpoint
   grpo       one process: GRPO on "a+b=" (one-digit sums) for --steps steps, mean reward per step
   killsave   one process: a complete checkpoint, then a second save that the test kills
   schedule   one process: a checkpoint loaded by a run configured with another learning-rate schedule and other
@@ -138,14 +139,25 @@ def scenario_models(args) -> None:
     write_json(args.out / "models.json", steps)
 
 
-def scenario_resume(args) -> None:
+def dump_weights(trainer, args) -> None:
+    """The full weights of each --dump checkpoint as ``<name>_weights.pt`` (needs one process)."""
     import torch
 
-    trainer = trainer_for(args)
     for name in args.dump:
         trainer.load(str(args.out / name))
         weights = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
         torch.save(weights, args.out / f"{name}_weights.pt")
+
+
+def scenario_weights(args) -> None:
+    dump_weights(trainer_for(args), args)
+
+
+def scenario_resume(args) -> None:
+    import torch
+
+    trainer = trainer_for(args)
+    dump_weights(trainer, args)
     step = trainer.load(args.load)
     logits = logits_of(trainer, make_batch(2))
     if is_rank0():
@@ -458,7 +470,7 @@ def scenario_qwen3_30b(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "schedule", "compat",
-                                             "single", "padding", "qwen3_30b", "models", "skip"])
+                                             "single", "padding", "qwen3_30b", "models", "skip", "weights"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")
