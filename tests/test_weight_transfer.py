@@ -204,3 +204,70 @@ def test_the_trainers_rendezvous_store_listens_only_on_the_address_the_servers_r
         assert store.get("rank1") == b"here"
     finally:
         del store
+
+
+DYING_TRAINER = """
+import os, sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from spade_mega.inference.base import WeightStream
+from spade_mega.inference.collective import Group
+from spade_mega.inference.vllm import VLLMEngine
+
+url, folder, eos, when = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+weights = {name: t * 3 for name, t in load_file(str(folder / "model.safetensors")).items()}
+names = sorted(weights)
+first = names[:5] + ["model.layers.0.self_attn.q_proj.weight"]  # q of the merged qkv: a layer loaded part way
+engine = VLLMEngine.attach([url], folder, eos_token_id=eos, weight_transfer="collective", request_timeout_s=60)
+broadcast, sent = Group.broadcast, []
+
+def dies_with_a_bucket_in_flight(group, buffer):
+    if sent:  # the server was told the second bucket: the trainer is killed before its bytes go out
+        os._exit(3)
+    sent.append(1)
+    return broadcast(group, buffer)
+
+Group.broadcast = dies_with_a_bucket_in_flight
+
+def buckets():
+    yield {name: weights[name] for name in first}
+    if when == "between":  # killed while it gathers the next bucket
+        os._exit(3)
+    yield {name: weights[name] for name in names if name not in first}
+
+engine.update_weights(WeightStream(tuple((n, tuple(weights[n].shape)) for n in names), buckets()), version=1)
+"""
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("when", ["between", "in_flight"])
+def test_a_trainer_killed_mid_update_leaves_an_attached_server_that_the_next_run_updates_exactly(
+        collective, weights, model_folder, when, tmp_path):
+    """A run's trainer killed part way through a collective update (between two buckets, or with a bucket in
+    flight) leaves its attached server with a partial update session: the next run attaching to it must be able to
+    update it, and then serve exactly its weights (vLLM keeps the layers a dead update loaded part way)."""
+    import subprocess
+    import sys
+
+    from spade_mega.inference.vllm import VLLMEngine
+
+    url = collective.servers[0].url
+    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, url, str(model_folder), str(EOS), when],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert dying.returncode == 3, dying.stderr[-2000:]
+    new = perturbed(weights, 12)
+    engine = VLLMEngine.attach([url], model_folder, eos_token_id=EOS, weight_transfer="collective",
+                               request_timeout_s=120)
+    try:
+        engine.update_weights(stream(new), version=40)
+        reference = hf_model(new, model_folder)
+        for generation in engine.generate(GREEDY):
+            expected, argmax = forward_logprobs(reference, generation, 0.0)
+            assert list(generation.output_ids) == argmax.tolist()
+            torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+    finally:
+        engine.close()
+    collective._close_group(collective.servers[0])  # the server joined the later runs' groups: the next update
+    # of the module's engine opens its own again

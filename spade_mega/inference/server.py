@@ -1208,6 +1208,10 @@ class ServerEngine(ABC):
         finally:
             pool.shutdown(wait=False)
         self._groups[server.url] = group
+        try:  # an update session that a trainer killed part way left open (vLLM refuses a start while one is)
+            self._transfer_rpc(server, "/finish_weight_update", {}, timeout_s=60.0)
+        except HTTPStatusError:
+            pass  # none was open
         log.info("%s server at %s: weight transfer group open (%s, %d workers, %s:%d)", self.name, server.url,
                  backend, workers, host, store.port)
 

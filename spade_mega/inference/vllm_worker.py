@@ -87,7 +87,15 @@ class SpadeWeightTransferEngine(WeightTransferEngine[SpadeInitInfo, SpadeUpdateI
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class synchronises torch.accelerator, which raises on a CPU-only server
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM's worker ends its update session on a failure here (the trainer died or dropped the group
+            # mid-bucket) without finishing it: finish the layerwise reload too, or the next update's start skips
+            # the layers this one left loading part way, which then reach their size with stale pieces and serve
+            # unloaded memory (the trainer holds the server broken until a complete update)
+            self.finish_weight_update()
+            raise
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
