@@ -4,6 +4,7 @@ host memory, swapped in for its log-probs) is tests/megatron/test_megatron_kl.py
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from spade_mega.config import load_config
 from spade_mega.config.errors import ConfigError
 from spade_mega.config.schema import RLConfig
+from spade_mega.megatron.checkpoint import FORMAT_VERSION
 from spade_mega.megatron.reference import check_reference, host_copies, pack_buckets, reference_source
 from spade_mega.rl.loss import KL_ESTIMATORS, LOW_VAR_KL_LIMIT, kl_to_reference, policy_loss
 from spade_mega.tokenizer import byte_tokenizer
@@ -108,10 +110,12 @@ def test_a_reference_folder_that_cannot_be_read_is_refused_before_the_run_builds
     assert not (tmp_path / "runs").exists()
 
 
-def test_reference_folders_are_checked_where_the_run_will_read_them(tmp_path: Path) -> None:
-    """A folder that is no checkpoint, an HF folder carrying another tokenizer (its token ids mean other things:
-    the KL would compare the policy with garbage), inference.hf_weights when a resumed run re-reads its initial
-    weights from it; nothing when the KL term is off or a new run takes the reference from its first step."""
+def test_references_are_checked_before_the_run_builds_anything(tmp_path: Path) -> None:
+    """What prepare_reference would refuse after the trainer and the engine are built: a folder that is no
+    checkpoint, an HF folder carrying another tokenizer (its token ids mean other things: the KL would compare the
+    policy with garbage), inference.hf_weights when a resumed run re-reads its initial weights from it, a resume in
+    another model-parallel layout from the seeded initialisation (data parallelism aside); nothing when the KL term
+    is off or a new run takes the reference from its first step."""
     empty = tmp_path / "empty"
     empty.mkdir()
     foreign = tmp_path / "foreign"
@@ -122,16 +126,24 @@ def test_reference_folders_are_checked_where_the_run_will_read_them(tmp_path: Pa
     same = tmp_path / "same"
     byte_tokenizer().save_pretrained(str(same))
     (same / "config.json").write_text("{}")
+    checkpoint = tmp_path / "run" / "step_2"
+    checkpoint.mkdir(parents=True)
     kl = ["rl.kl_coef=0.1"]
     with pytest.raises(ConfigError, match=r"rl\.reference: cannot be read .* holds no complete checkpoint"):
-        check_reference(load_config(TINY, [*kl, f"rl.reference={empty}"]), resuming=False)
+        check_reference(load_config(TINY, [*kl, f"rl.reference={empty}"]), None, 1)
     with pytest.raises(ConfigError, match=r"rl\.reference: cannot be read .* their token ids mean different"):
-        check_reference(load_config(TINY, [*kl, f"rl.reference={foreign}"]), resuming=False)
-    check_reference(load_config(TINY, [*kl, f"rl.reference={same}"]), resuming=False)
+        check_reference(load_config(TINY, [*kl, f"rl.reference={foreign}"]), None, 1)
+    check_reference(load_config(TINY, [*kl, f"rl.reference={same}"]), None, 1)
     with pytest.raises(ConfigError, match=r"inference\.hf_weights: .*missing: no such folder"):
-        check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=True)
-    check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=False)
-    check_reference(load_config(TINY, [f"inference.hf_weights={tmp_path / 'missing'}"]), resuming=True)
+        check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), checkpoint, 1)
+    check_reference(load_config(TINY, [*kl, f"inference.hf_weights={tmp_path / 'missing'}"]), None, 1)
+    check_reference(load_config(TINY, [f"inference.hf_weights={tmp_path / 'missing'}"]), checkpoint, 1)
+    manifest = {"format": FORMAT_VERSION, "step": 2, "architecture": {}, "layout": "TP2+SP PP1 EP2 ETP2 DP1"}
+    (checkpoint / "spade_checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"rl\.reference: .* trained in TP2\+SP PP1 EP2 ETP2 DP1, this run is TP1"):
+        check_reference(load_config(TINY, kl), checkpoint, 1)
+    two_by_two = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"]
+    check_reference(load_config(TINY, [*kl, *two_by_two]), checkpoint, 4)  # another data-parallel size only
 
 
 def test_the_reference_is_packed_into_buckets_that_the_pinned_allocators_rounding_barely_grows() -> None:

@@ -131,20 +131,27 @@ def prepare_reference(trainer: "Trainer", checkpoint: Optional[Path]) -> None:
     if folder is not None and (checkpoint is not None or field == "rl.reference"):
         load_reference(trainer, folder, field=field)
     elif checkpoint is not None:
-        _check_same_layout(trainer, checkpoint)
+        _check_same_layout(trainer.layout.describe(), checkpoint)
         trainer.reference.capture()
 
 
-def check_reference(cfg: SpadeConfig, *, resuming: bool) -> None:
-    """Refuse, before anything is built, a reference folder the run will read and cannot use (every rank; no
-    collective): one that does not exist, a folder that is no complete spade-mega checkpoint and no Hugging Face
-    folder, or one whose tokenizer is not ``model.tokenizer``. Else the error came once the trainer was built and the
-    inference engine started, minutes into a job. The architecture is compared when it is read (load_reference)."""
+def check_reference(cfg: SpadeConfig, checkpoint: Optional[Path], world_size: int) -> None:
+    """Refuse, before anything is built, the reference :func:`prepare_reference` would refuse once the trainer was
+    built and the inference engine started, minutes into a job (every rank; no collective): a folder the run will
+    read that does not exist, is no complete spade-mega checkpoint and no Hugging Face folder, or carries another
+    tokenizer than ``model.tokenizer``; a resume from ``checkpoint`` in another model-parallel layout when the
+    reference is the seeded initialisation. The architecture is compared when the folder is read (load_reference)."""
     if cfg.rl.kl_coef <= 0:
         return
     field, folder = reference_source(cfg)
-    if folder is not None and (resuming or field == "rl.reference"):
+    if folder is not None and (checkpoint is not None or field == "rl.reference"):
         _check_folder(cfg, Path(folder), field)
+    elif checkpoint is not None:
+        from spade_mega.megatron.parallel import resolve_layout
+        from spade_mega.megatron.providers import resolve_model_config
+
+        _check_same_layout(resolve_layout(cfg.parallel, resolve_model_config(cfg.model), world_size).describe(),
+                           checkpoint)
 
 
 def _check_folder(cfg: SpadeConfig, path: Path, field: str) -> None:
@@ -164,14 +171,13 @@ def _check_folder(cfg: SpadeConfig, path: Path, field: str) -> None:
         raise ConfigError(field, f"cannot be read as the reference policy: {exc}") from None
 
 
-def _check_same_layout(trainer: "Trainer", checkpoint: Path) -> None:
+def _check_same_layout(current: str, checkpoint: Path) -> None:
     from spade_mega.megatron.checkpoint import read_manifest, resolve_checkpoint
 
     def model_parallel(layout: str) -> str:  # data parallelism does not change the initialisation
         return re.sub(r"\s*DP\d+", "", layout)
 
     saved = read_manifest(resolve_checkpoint(checkpoint)).get("layout")
-    current = trainer.layout.describe()
     if saved is not None and model_parallel(saved) != model_parallel(current):
         raise ConfigError("rl.reference", f"'initial' is the seeded initialisation here (no inference.hf_weights), "
                                           f"which depends on the parallel layout: {checkpoint} was trained in "

@@ -583,8 +583,8 @@ class SelfPlay:
             checkpoint = self._checkpoint_to_resume()
             if checkpoint is None and cfg.inference.hf_weights is not None:  # before anything is built or written
                 check_folder_tokenizer(cfg.inference.hf_weights, cfg.model.tokenizer)
-            check_reference(cfg, resuming=checkpoint is not None)  # rl.kl_coef > 0: its reference folder, read later
-            init_distributed(cfg.parallel)  # before the lock, so that every rank gets its error
+            world = init_distributed(cfg.parallel)  # before the lock, so that every rank gets its error
+            check_reference(cfg, checkpoint, world)  # rl.kl_coef > 0: a reference prepare_reference would refuse
             # rank 0 alone writes the run directory; a second trainer on it stops here, before the model is built
             lock = _from_rank0(lambda: RunDirLock(self.run_dir), share=False)
             try:
