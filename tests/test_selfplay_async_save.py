@@ -134,10 +134,13 @@ def test_a_run_stopped_by_sigusr1_while_its_save_is_written_completes_it_and_sav
 
 
 @pytest.mark.slow
-def test_a_run_whose_save_fails_on_a_full_disk_stops_keeping_its_data_and_says_how_to_go_on(tmp_path: Path) -> None:
-    """The checkpoints on a small tmpfs that fills during rollout 2: its save fails (the loop state or the checkpoint,
-    for real), the run stops with an error naming the folder, the free space it needs and the checkpoint a rerun
-    resumes from; rollout 2's metrics are logged, the transcripts stay, the first checkpoint is untouched."""
+@pytest.mark.parametrize("left", [8192, 0], ids=["checkpoint", "loop_state"])
+def test_a_run_whose_save_fails_on_a_full_disk_stops_keeping_its_data_and_says_how_to_go_on(tmp_path: Path,
+                                                                                            left: int) -> None:
+    """The checkpoints on a small tmpfs that fills during rollout 2 (``left`` bytes free): its save fails (the loop
+    state or the checkpoint, for real; with nothing left, the loop state: the first file of the save), the run stops
+    with an error naming the folder, the free space it needs and the checkpoint a rerun resumes from; rollout 2's
+    metrics are logged, the transcripts stay, the first checkpoint is untouched."""
     import subprocess
 
     from spade_mega.megatron.checkpoint import CheckpointError
@@ -156,7 +159,7 @@ def test_a_run_whose_save_fails_on_a_full_disk_stops_keeping_its_data_and_says_h
         if r == 2:  # something else on the disk takes all of its space but a few KiB
             with open(disk / "filler", "wb") as f:
                 stat = os.statvfs(disk)
-                f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 8192))
+                f.write(b"\0" * (stat.f_bavail * stat.f_frsize - left))
         return train(self, trainer, samples, r)
 
     try:
@@ -169,6 +172,9 @@ def test_a_run_whose_save_fails_on_a_full_disk_stops_keeping_its_data_and_says_h
         assert first is not None and store.read_state(first).rollout == 1
         message = str(failed.value)
         assert "No space left on device" in message, message
+        if left == 0:
+            assert message.startswith(f"{store.states}: cannot write the loop state of this checkpoint ([Errno 28] No "
+                                      "space left on device"), message
         assert f"The run stopped after rollout 2; its metrics and transcripts so far stay in {run_dir}. Free space " \
                f"on {disk} (or make it writable) and run the same command again: it resumes from {first.name}" \
                in message, message
