@@ -19,7 +19,10 @@ def _private_tmpfs(disk: Path) -> list[str] | None:
     with its processes, never seen outside); None where mounting is not allowed (needs CAP_SYS_ADMIN)."""
     prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
               'mount -t tmpfs -o size=48m spade-test "$0" && exec "$@"', str(disk)]
-    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+    except OSError:  # no unshare (util-linux) here
+        return None
     return prefix if probe.returncode == 0 else None
 
 
