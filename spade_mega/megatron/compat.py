@@ -743,7 +743,9 @@ def moe_aux_loss_scaled(config: Any, factor: float) -> Iterator[None]:
         return
 
     def scale() -> torch.Tensor:
-        one = torch.ones(1)
+        # on the trainer's device, as the schedule's own call: the optimizer's loss scale is a tensor there
+        # (torch.cuda.current_device() is the CPU under the compatibility layer)
+        one = torch.ones(1, device=torch.cuda.current_device())
         return (config.grad_scale_func(one) if config.grad_scale_func is not None else one) * factor
 
     config.moe_grad_scale_func = scale
