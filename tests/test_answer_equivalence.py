@@ -88,6 +88,8 @@ SAME = [  # (answer the model boxed, reference)
     ("\\binom{x}{y} = \\binom{x}{z}", "2\\binom{x}{y} = 2\\binom{x}{z}"),
     ("\\binom{x+y}{z} = x", "\\binom{x+y}{z}\\cdot 5 = 5x"),
     ("x! y! = z!", "2x! y! = 2z!"),
+    ("x + y = 1", "\\sqrt{2}x + \\sqrt{2}y = \\sqrt{2}"),  # a factor no small fraction: the pairs of points decide
+    ("y = \\pi x", "\\frac{y}{\\pi} = x"),
     # real odd roots; \log is base 10
     ("\\sqrt[3]{-8}", "-2"),
     ("\\sqrt[5]{-32}", "-2"),
