@@ -373,6 +373,7 @@ _WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 def write_model_folder(folder: Path, model: Any, tokenizer: Any, *, seed: int = 0) -> Path:
     """A Hugging Face folder (config.json from :func:`hf_config_dict`, randomly initialised safetensors weights,
     the run's tokenizer) that a server can start on before the trainer's first weight update."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from spade_mega.megatron.providers import hf_config_dict
@@ -386,7 +387,7 @@ def write_model_folder(folder: Path, model: Any, tokenizer: Any, *, seed: int = 
     try:
         hf_model.save_pretrained(str(folder))
         tokenizer.save_pretrained(str(folder))
-    except Exception as exc:  # safetensors raises its own error for a full disk: "I/O error: No space left"
+    except (OSError, SafetensorError) as exc:  # safetensors' own for a full disk: "I/O error: No space left"
         raise EngineError(f"cannot write the randomly initialised folder a server starts on, {folder} ({exc}): it "
                           "takes the model's full size; free space there (spade-mega eval writes it into $TMPDIR: "
                           "set TMPDIR to a larger disk), or give inference.hf_weights, a Hugging Face folder to start "
