@@ -271,3 +271,19 @@ def test_a_trainer_killed_mid_update_leaves_an_attached_server_that_the_next_run
         engine.close()
     collective._close_group(collective.servers[0])  # the server joined the later runs' groups: the next update
     # of the module's engine opens its own again
+
+
+def test_a_collective_slurm_job_needs_servers_on_gpus_of_their_own_and_no_shared_weight_folder():
+    """Over a process group nothing is staged, so servers on other nodes need no shared inference.weight_sync_dir;
+    but a colocated server's worker sits on the GPU of the trainer's rank 0, which NCCL refuses in one group."""
+    from spade_mega.config import ConfigError, load_config
+    from spade_mega.launch.plan import plan_launch
+
+    recipe = REPO / "examples/configs/qwen3_30b_a3b_games.yaml"
+    separate = ["rollout.engine=vllm", "launch.engine_placement=separate", "launch.engine_nodes=1"]
+    plan = plan_launch(load_config(recipe, [*separate, "inference.weight_transfer=collective"]))
+    assert "--weight-transfer-config" in plan.engines.command
+    with pytest.raises(ConfigError, match="inference.weight_sync_dir"):  # the folder path still needs it
+        plan_launch(load_config(recipe, separate))
+    with pytest.raises(ConfigError, match="inference.weight_transfer.*GPUs of their own"):
+        plan_launch(load_config(recipe, ["rollout.engine=vllm", "inference.weight_transfer=collective"]))

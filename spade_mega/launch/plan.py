@@ -132,12 +132,17 @@ def plan_launch(cfg: SpadeConfig) -> LaunchPlan:
     engines = None
     if placement != "in_process":
         spans_nodes = placement == "separate" or launch.nodes > 1
-        if spans_nodes and not cfg.inference.weight_sync_dir:
+        if spans_nodes and cfg.inference.weight_transfer == "folder" and not cfg.inference.weight_sync_dir:
             raise ConfigError("inference.weight_sync_dir", "must be a folder on a file system every node sees: engine "
                                                            "servers on other nodes than global rank 0's load each "
                                                            "weight update from it (the default, /dev/shm, is per node)")
         gpus = launch.engine_gpus or launch.gpus_per_node
         colocated = placement == "colocated"
+        if colocated and cfg.inference.weight_transfer == "collective":
+            raise ConfigError("inference.weight_transfer", "collective needs the engine servers on GPUs of their own "
+                                                           "(launch.engine_placement separate): colocated, a server's "
+                                                           "worker shares the GPU of the trainer's global rank 0, and "
+                                                           "NCCL refuses two ranks of one group on one GPU; use folder")
         _check_engine_ports(launch, launch.gpus_per_node // gpus, colocated)
         engines = EnginePlan(engine=cfg.rollout.engine, placement=placement,
                              first_node=0 if colocated else launch.nodes,
