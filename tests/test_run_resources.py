@@ -80,3 +80,29 @@ def test_runs_in_one_process_release_their_groups_descriptors_threads_and_traine
     with pytest.raises(RuntimeError, match="failed after the optimizer step"):
         SelfPlay(_config(tmp_path, "failed")).run()
     assert _held() == after_first
+
+
+@pytest.mark.slow
+def test_close_frees_the_trainers_state_while_its_caller_still_holds_it(tmp_path: Path) -> None:
+    # docs/megatron.md: trainer.close() frees its weights, so a process may build another. A sweep or a notebook
+    # (`trainer = Trainer(cfg)` again) builds the next trainer while its variable still names the closed one: what the
+    # closed object still reaches (weights, gradient buffers, optimizer state, the KL reference's host copy) is then
+    # held twice, on a GPU an out-of-memory for a model sized to fit once. The background save is completed first.
+    import weakref
+
+    from spade_mega.megatron import Trainer
+
+    cfg = _config(tmp_path, "direct")
+    cfg.rl.kl_coef = 0.05  # the reference policy's copy of the weights is the trainer's too
+    trainer = Trainer(cfg)
+    reachable = [weakref.ref(o) for o in (next(trainer.model[0].module.parameters()),
+                                          trainer.model[0].buffers[0].grad_data, trainer.optimizer, trainer.reference)]
+    folder = Path(trainer.save(str(tmp_path / "checkpoints"), background=True))
+    assert not folder.exists()  # a checkpoint only once completed
+
+    trainer.close()
+    gc.collect()
+    assert (folder / "spade_checkpoint.json").is_file()
+    assert [ref() is None for ref in reachable] == [True] * len(reachable)
+    trainer.close()  # twice: nothing left to free
+    assert len(dist.distributed_c10d._world.pg_map) == 1  # the default group alone

@@ -469,7 +469,8 @@ class Trainer:
         shards (views of the parameters; the optimizer was held by the model's config, ``grad_scale_func``) and by
         the last step's graph, which the MoE dispatcher keeps (its ``probs``). Both links are cut here (the model
         leaves its DDP wrapper); Megatron's process-global MoE metrics and rotary cache, which hold the model's
-        groups, are emptied; the groups are destroyed (parallel.release)."""
+        groups, are emptied; the groups are destroyed (parallel.release). The trainer then drops its model, optimizer
+        and reference: a sweep's ``trainer = Trainer(cfg)`` builds the next one while the name still holds this one."""
         self.finish_save(wait=True)
         self.config.grad_scale_func = None
         for chunk in self.model:
@@ -480,6 +481,8 @@ class Trainer:
 
         RotaryEmbedding.forward.cache_clear()
         release(self.groups)
+        self.model = []
+        self.optimizer = self.scheduler = self.reference = None
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);
