@@ -207,7 +207,7 @@ def test_the_trainers_rendezvous_store_listens_only_on_the_address_the_servers_r
 
 
 DYING_TRAINER = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -224,7 +224,8 @@ engine = VLLMEngine.attach([url], folder, eos_token_id=eos, weight_transfer="col
 broadcast, sent = Group.broadcast, []
 
 def dies_with_a_bucket_in_flight(group, buffer):
-    if sent:  # the server was told the second bucket: the trainer is killed before its bytes go out
+    if sent:  # the server is being told the second bucket: the trainer is killed before its bytes go out
+        time.sleep(3)  # the request reaches the server, whose worker then waits for the bytes
         os._exit(3)
     sent.append(1)
     return broadcast(group, buffer)
@@ -262,6 +263,8 @@ def test_a_trainer_killed_mid_update_leaves_an_attached_server_that_the_next_run
                                request_timeout_s=120)
     try:
         engine.update_weights(stream(new), version=40)
+        if when == "in_flight":  # the server's worker was waiting for the bytes when the trainer died
+            assert "Connection closed by peer" in collective.servers[0].log_path.read_text(errors="replace")
         reference = hf_model(new, model_folder)
         for generation in engine.generate(GREEDY):
             expected, argmax = forward_logprobs(reference, generation, 0.0)
