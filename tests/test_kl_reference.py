@@ -114,7 +114,7 @@ def test_references_are_checked_before_the_run_builds_anything(tmp_path: Path) -
     """What prepare_reference would refuse after the trainer and the engine are built: a folder that is no
     checkpoint, an HF folder carrying another tokenizer (its token ids mean other things: the KL would compare the
     policy with garbage), inference.hf_weights when a resumed run re-reads its initial weights from it, a resume in
-    another model-parallel layout from the seeded initialisation (data parallelism aside); nothing when the KL term
+    another model-parallel layout from the seeded initialisation (data and sequence parallelism aside); nothing when the KL term
     is off or a new run takes the reference from its first step."""
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -144,6 +144,10 @@ def test_references_are_checked_before_the_run_builds_anything(tmp_path: Path) -
         check_reference(load_config(TINY, kl), checkpoint, 1)
     two_by_two = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"]
     check_reference(load_config(TINY, [*kl, *two_by_two]), checkpoint, 4)  # another data-parallel size only
+    # sequence parallelism changes activations' layout, not the seeded weights: switching it alone resumes
+    manifest["layout"] = "TP2 PP1 EP2 ETP2 DP2"
+    (checkpoint / "spade_checkpoint.json").write_text(json.dumps(manifest))
+    check_reference(load_config(TINY, [*kl, *two_by_two]), checkpoint, 4)
 
 
 def test_the_reference_is_packed_into_buckets_that_the_pinned_allocators_rounding_barely_grows() -> None:

@@ -174,8 +174,8 @@ def _check_folder(cfg: SpadeConfig, path: Path, field: str) -> None:
 def _check_same_layout(current: str, checkpoint: Path) -> None:
     from spade_mega.megatron.checkpoint import read_manifest, resolve_checkpoint
 
-    def model_parallel(layout: str) -> str:  # data parallelism does not change the initialisation
-        return re.sub(r"\s*DP\d+", "", layout)
+    def model_parallel(layout: str) -> str:  # neither data nor sequence parallelism changes the initialisation
+        return re.sub(r"\s*DP\d+|\+SP", "", layout)
 
     saved = read_manifest(resolve_checkpoint(checkpoint)).get("layout")
     if saved is not None and model_parallel(saved) != model_parallel(current):
