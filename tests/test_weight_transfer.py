@@ -16,7 +16,7 @@ from test_inference_vllm import (EOS, MAX_MODEL_LEN, PROMPTS, REPO, forward_logp
 
 from spade_mega.inference import EngineError
 from spade_mega.inference.base import WeightStream
-from spade_mega.inference.collective import layout, pack, unpack
+from spade_mega.inference.collective import dtype_named, layout, pack, unpack
 
 
 def test_a_packed_bucket_views_back_into_its_tensors_whatever_their_dtypes():
@@ -26,6 +26,16 @@ def test_a_packed_bucket_views_back_into_its_tensors_whatever_their_dtypes():
     assert buffer.numel() == layout([t.shape for t in tensors], [t.dtype for t in tensors])[1]
     back = unpack(buffer, [t.shape for t in tensors], [t.dtype for t in tensors])
     assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
+
+
+def test_a_bucket_names_only_torch_dtypes():
+    """The worker reads each tensor's dtype from the update's JSON: a name that is no torch dtype (another torch
+    attribute, a typo) is a clear error naming it, not a function taken as a dtype or an AttributeError."""
+    assert [dtype_named(str(d).removeprefix("torch.")) for d in (torch.bfloat16, torch.float32, torch.int64)] == \
+        [torch.bfloat16, torch.float32, torch.int64]
+    for name in ("zeros", "Tensor", "float33", "__class__"):
+        with pytest.raises(ValueError, match=f"'{name}' is no torch dtype"):
+            dtype_named(name)
 
 
 def test_slurm_servers_of_a_collective_run_load_the_transfer_engine_and_sglang_is_refused():

@@ -107,6 +107,16 @@ def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype an update's JSON names (``str(dtype)`` less ``torch.``): only a real dtype, never another
+    attribute of torch that the name happens to match."""
+    dtype = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"spade weight transfer: {name!r} is no torch dtype (the update names each tensor's dtype "
+                         "as torch.<name>, e.g. 'bfloat16')")
+    return dtype
+
+
 def layout(shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> tuple[list[int], int]:
     """The byte offset of each tensor in a packed bucket, and the bucket's size."""
     offsets, size = [], 0

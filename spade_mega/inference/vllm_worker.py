@@ -27,7 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from spade_mega.inference.collective import VLLM_BACKEND as BACKEND
-from spade_mega.inference.collective import Group, layout, rendezvous, unpack
+from spade_mega.inference.collective import Group, dtype_named, layout, rendezvous, unpack
 
 
 @dataclass
@@ -103,7 +103,7 @@ class SpadeWeightTransferEngine(WeightTransferEngine[SpadeInitInfo, SpadeUpdateI
         if self.group is None:
             raise RuntimeError("spade weight transfer: no group with the trainer; it must call "
                                "/init_weight_transfer_engine first")
-        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        dtypes = [dtype_named(name) for name in update_info.dtype_names]
         _, size = layout(update_info.shapes, dtypes)
         buffer = torch.empty(size, dtype=torch.uint8, device=self.group.device)
         self.group.broadcast(buffer).wait()
