@@ -3,8 +3,10 @@
   step  any layout: with --load, the checkpoint --load (else build and save the initial weights to --out/init);
         the plan's row compositions, the log-probs of the batch, one GRPO step, the log-probs after it, and with
         --weights (one process, or context parallelism alone, where every rank holds all weights) the weights
-        before and after; with --resave also the log-probs after a save in this layout and its reload. Written to
-        --out/<tag>.json and <tag>_*.pt; nothing is asserted here.
+        before and after; with --resave also the log-probs after a save in this layout and its reload, then a
+        second step (batch 2) and the log-probs after it. Written to --out/<tag>.json and <tag>_*.pt; nothing is
+        asserted here.
+  resume  any layout: load --load (model and optimizer), the second step (batch 2), the log-probs after it.
 
 The batch: six samples of different lengths, several in a row, none a multiple of 4, so that under CP2 every sample
 is padded inside its row segment (and the reference, one process, has no padding at all).
@@ -66,6 +68,7 @@ def scenario_step(args) -> None:
     before = trainer.logprobs(batch)
     result = trainer.train_step(batch)
     after = trainer.logprobs(batch)
+    trained = weights()
     logprobs = {"before": before, "after": after}
     if args.resave:  # saved in this layout; the initial weights loaded over it, then the saved ones again
         saved = trainer.save(str(args.out / f"{args.tag}_checkpoint"))
@@ -73,16 +76,36 @@ def scenario_step(args) -> None:
         logprobs["initial_reloaded"] = trainer.logprobs(batch)
         trainer.load(saved)
         logprobs["reloaded"] = trainer.logprobs(batch)
+        second = trainer.train_step(make_batch(2)).metrics
+        logprobs["second"] = trainer.logprobs(batch)
     if is_rank0():
         torch.save(logprobs, args.out / f"{args.tag}_logprobs.pt")
         if args.weights:
-            torch.save({"before": initial, "after": weights()}, args.out / f"{args.tag}_weights.pt")
-    write_json(args.out / f"{args.tag}.json", {"step": result.metrics, "rows": rows, "padding": padding})
+            torch.save({"before": initial, "after": trained}, args.out / f"{args.tag}_weights.pt")
+    from spade_mega.kernels.dispatch import LAUNCHES
+
+    write_json(args.out / f"{args.tag}.json", {"step": result.metrics, "rows": rows, "padding": padding,
+                                               "kernel_launches": dict(LAUNCHES),
+                                               **({"second": second} if args.resave else {})})
+
+
+def scenario_resume(args) -> None:
+    import torch
+
+    from spade_mega.megatron import Trainer
+
+    trainer = Trainer(config(args.overrides))
+    trainer.load(args.load)
+    result = trainer.train_step(make_batch(2))
+    after = trainer.logprobs(make_batch(1))
+    if is_rank0():
+        torch.save({"second": after}, args.out / f"{args.tag}_logprobs.pt")
+    write_json(args.out / f"{args.tag}.json", {"second": result.metrics})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["step"])
+    parser.add_argument("scenario", choices=["step", "resume"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
     parser.add_argument("--load")

@@ -60,7 +60,7 @@ def test_the_budget_is_per_rank_and_a_sample_counts_with_its_padding() -> None:
 
 
 LAYOUTS = {  # tag: (processes, overrides); a row holds 16 x 2 tokens in each
-    "cp2": (2, ["parallel.recompute=full"]),
+    "cp2": (2, ["parallel.recompute=full", "kernels.enabled=true"]),  # the fused log-prob kernel on each shard
     "cp2_tp2_sp": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": (4, ["parallel.pipeline=2"]),
 }
@@ -78,6 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         weights = ["--weights", "--resave"] if tag == "cp2" else []  # CP alone: every rank holds all weights
         run_worker(nproc, "step", out, "--tag", tag, *weights, "--load", str(out / "init"), "parallel.context=2",
                    "parallel.max_tokens_per_gpu=16", *overrides, *PER_SAMPLE, worker=WORKER)
+    # the CP2 checkpoint (saved after the step, with its optimizer state) resumed by one process
+    run_worker(1, "resume", out, "--tag", "cp2_to_1", "--load", str(out / "cp2_checkpoint"),
+               "parallel.max_tokens_per_gpu=26", *PER_SAMPLE, worker=WORKER)
     return out
 
 
@@ -184,3 +187,27 @@ def test_cp2_with_expert_and_data_parallelism_equals_ep2(expert_runs: Path) -> N
     for when in ("before", "after"):
         for i, (w, g) in enumerate(zip(logprobs["ep2"][when], logprobs["cp2_ep2"][when])):
             assert float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs {when} the step differ from EP2"
+
+
+@pytest.mark.multiproc
+def test_cp2_runs_the_fused_kernels(runs: Path) -> None:
+    """kernels.enabled under CP: the log-probs of each shard through the Triton kernels (the interpreter here), the
+    per-sample sums in policy_loss as without them; the step itself equals one process above."""
+    launches = read_json(runs / "cp2.json")["kernel_launches"]
+    for stage in ("tis_logprob.shard_stats", "tis_logprob.finalize", "tis_logprob.logits_grad"):
+        assert launches.get(stage, 0) > 0, (stage, launches)
+
+
+@pytest.mark.multiproc
+def test_a_cp2_checkpoint_resumes_in_one_process(runs: Path) -> None:
+    """Model and optimizer state saved by two CP ranks, loaded by one process: its next step (Adam moments, step
+    count and schedule resharded) equals the CP2 run's own next step after reloading the same checkpoint."""
+    want, got = read_json(runs / "cp2.json")["second"], read_json(runs / "cp2_to_1.json")["second"]
+    assert want["lr"] == got["lr"]
+    for key in COMPARED:
+        w, g = want[key], got[key]
+        assert abs(g - w) <= RTOL * max(abs(w), 1e-12), f"{key} = {g!r} resumed in one process, {w!r} under CP2"
+    cp2, one = torch.load(runs / "cp2_logprobs.pt")["second"], torch.load(runs / "cp2_to_1_logprobs.pt")["second"]
+    for i, (w, g) in enumerate(zip(cp2, one)):
+        assert float((w - g).abs().max()) < 1e-5, f"sample {i}: log-probs after the resumed step differ"
+    assert any(not torch.equal(a, b) for a, b in zip(cp2, torch.load(runs / "cp2_logprobs.pt")["after"]))
