@@ -589,3 +589,41 @@ def test_a_500_from_a_server_whose_engine_died_is_redone_on_the_restarted_server
         assert healthy.recoveries["request_retries"] == 0
     finally:
         healthy.close()
+
+
+def test_generation_and_weight_updates_exclude_each_other(model_folder, in_thread):
+    """A generate call made while a weight update is in progress in the engine (an eval attached to the training
+    servers, a rollout thread) waits for it and samples from the new weights, never from a half-reloaded model; an
+    update waits for the generations in flight, which finish on the weights they started on, labelled with their
+    version."""
+    emulator = in_thread(delay=0.5)
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10)
+    weights = load_file(str(model_folder / "model.safetensors"))
+    results: dict[str, Any] = {}
+
+    def generate(key: str) -> None:
+        results[key] = engine.generate(_requests(2))
+
+    def slow_buckets(marker: int) -> Iterator[dict[str, torch.Tensor]]:
+        marked = _marked(weights, marker)
+        names = sorted(marked)
+        yield {name: marked[name] for name in names[:1]}
+        time.sleep(0.5)  # the update is in progress: a generation started now must wait for its end
+        yield {name: marked[name] for name in names[1:]}
+
+    try:
+        in_flight = threading.Thread(target=generate, args=("in_flight",))
+        in_flight.start()
+        time.sleep(0.2)  # its requests sleep in the server
+        engine.update_weights([_marked(weights, 7)], version=1)
+        in_flight.join()
+        assert [(g.output_ids, g.weight_version) for g in results["in_flight"]] == [((11,), 0), ((12,), 0)]
+
+        waiting = threading.Timer(0.2, generate, args=("during_update",))
+        waiting.start()
+        engine.update_weights(slow_buckets(9), version=2)
+        waiting.join()
+        assert [(g.output_ids, g.weight_version) for g in results["during_update"]] == \
+            [((10 + 1 + 9,), 2), ((11 + 1 + 9,), 2)]
+    finally:
+        engine.close()

@@ -38,9 +38,10 @@ import urllib.parse
 import urllib.request
 import weakref
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -456,6 +457,49 @@ def _own_sync_root(root: Path, prefix: str = "spade-weights-") -> tuple[Path, tu
     return folder, (fd, lock)
 
 
+class _UpdateLock:
+    """Generations share it, a weight update (or folder load) holds it alone: a generation never runs while the
+    servers reload (on a half-reloaded model, labelled with a version it did not sample from), an update waits for
+    the generations in flight, and generations do not wait for each other. A waiting update goes first: new
+    generations wait behind it, so a steady stream of them cannot hold weight syncs off."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._generating = 0
+        self._updating = False
+        self._updates_waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._changed:
+            while self._updating or self._updates_waiting:
+                self._changed.wait()
+            self._generating += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._generating -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._changed:
+            self._updates_waiting += 1
+            try:
+                while self._updating or self._generating:
+                    self._changed.wait()
+            finally:
+                self._updates_waiting -= 1
+            self._updating = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._updating = False
+                self._changed.notify_all()
+
+
 class ServerEngine(ABC):
     """The engine protocol over a :class:`Server`. Subclasses give the request format (:meth:`_payload`,
     :meth:`_parse`) and the reload call (:meth:`_reload`)."""
@@ -510,7 +554,7 @@ class ServerEngine(ABC):
             self._sync_root, self._sync_lock = _own_sync_root(root) if self._own_sync_root else (root, None)
         self._version = 0
         self._updated = False  # whether the servers were told to serve other weights than model_dir's
-        self._lock = threading.Lock()
+        self._lock = _UpdateLock()
 
     @classmethod
     def _check_transfer(cls, weight_transfer: str) -> None:
@@ -711,6 +755,10 @@ class ServerEngine(ABC):
     # ---- generation -------------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        with self._lock.shared():  # not while an update reloads the servers
+            return self._generate(requests)
+
+    def _generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         if self._broken is not None:
             raise EngineError(f"{self.name} engine: {self._broken}; a complete update_weights must succeed before "
                               "it generates again")
@@ -943,10 +991,10 @@ class ServerEngine(ABC):
             raise EngineError(f"{self.name} engine: its servers released the GPU memory of their weights; "
                               f"resume_memory('weights') must take it back before weight update {version}")
         if self.weight_transfer == "collective":
-            with self._lock:
+            with self._lock.exclusive():
                 self._update_collective(buckets, version)
             return
-        with self._lock:
+        with self._lock.exclusive():
             folder = self._stage(buckets, version)
             try:
                 self._in_parallel(self._reload_one, [(server, folder, version) for server in self.servers],
@@ -1006,7 +1054,7 @@ class ServerEngine(ABC):
         if differ:
             raise EngineError(f"{self.name} engine: {folder}/config.json is not the served model's "
                               f"({self.model_dir}), whose config the servers keep: {', '.join(differ)}")
-        with self._lock:
+        with self._lock.exclusive():
             try:
                 self._in_parallel(self._reload_one, [(server, folder, version) for server in self.servers],
                                   len(self.servers))  # redone as a weight update is (a job restarting its server)
