@@ -96,6 +96,15 @@ class RankZeroError(SpadeError):
     """Rank 0 (which alone runs the actor) failed; raised on the other ranks, naming rank 0's error."""
 
 
+class RankZeroCheckpointError(RankZeroError, CheckpointError):
+    """Rank 0's part of a save (the loop state) failed: a failed save on the other ranks too, so they stop with the
+    same advice on how to go on."""
+
+
+# how a save's failure says it ran out of host memory (a MemoryError staging tensors, the OOM killer's SIGKILL of a
+# background writer, a fork refused with ENOMEM), where freeing disk space would not help
+_OUT_OF_MEMORY = ("MemoryError", "OOM killer", "Cannot allocate memory")
+
 # train-step metrics that add up over the optimizer steps of a rollout; the others are averaged
 _SUMMED = ("loss_tokens", "tokens", "step_time_s", "micro_batches", "samples_agent", "samples_designer")
 
@@ -813,9 +822,15 @@ class SelfPlay:
                 log.warning("rollout %d: its metrics could not be logged either: %s", r, failed)
             latest = self.store.latest()
             resume = f"resumes from {latest.name}" if latest is not None else "starts over (no checkpoint completed)"
+            if any(sign in str(exc) for sign in _OUT_OF_MEMORY):
+                fix = ("Free host memory on the nodes (each rank stages its checkpoint shard in host memory, and a "
+                       "background writer's copy grows as training changes the weights it saves: "
+                       "selfplay.async_save false saves without that copy)")
+            else:
+                fix = f"Free space on {self.store.root} (or make it writable)"
             raise CheckpointError(f"{exc}. The run stopped after rollout {r}; its metrics and transcripts so far stay "
-                                  f"in {self.run_dir}. Free space on {self.store.root} (or make it writable) and run "
-                                  f"the same command again: it {resume} (run.resume: auto)") from exc
+                                  f"in {self.run_dir}. {fix} and run the same command again: it {resume} "
+                                  "(run.resume: auto)") from exc
 
     def _save(self, trainer: Trainer, actor: Optional[_Actor], r: int, *, background: bool = False) -> None:
         """Loop state first (rank 0), then the trainer's checkpoint of the same step (collective). After rollouts that
@@ -942,11 +957,13 @@ def _from_rank0(make: Callable[[], T], *, share: bool) -> Optional[T]:
         except Exception as exc:  # raised below, after the other ranks know
             error = exc
     if dist.get_world_size() > 1:
-        box = [(None if error is None else f"{type(error).__name__}: {error}", value if share else None)]
+        box = [(None if error is None else f"{type(error).__name__}: {error}", value if share else None,
+                isinstance(error, CheckpointError))]
         dist.broadcast_object_list(box, src=0)
-        failure, shared = box[0]
+        failure, shared, saving = box[0]
         if failure is not None and error is None:
-            raise RankZeroError(f"rank 0 failed, so rank {dist.get_rank()} stops too: {failure}")
+            kind = RankZeroCheckpointError if saving else RankZeroError
+            raise kind(f"rank 0 failed, so rank {dist.get_rank()} stops too: {failure}")
         if share:
             value = shared
     if error is not None:
