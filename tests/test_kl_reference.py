@@ -150,6 +150,41 @@ def test_references_are_checked_before_the_run_builds_anything(tmp_path: Path) -
     check_reference(load_config(TINY, [*kl, *two_by_two]), checkpoint, 4)
 
 
+def test_a_checkpoint_root_named_as_the_reference_is_pinned_to_its_step_for_the_whole_run(tmp_path: Path) -> None:
+    """rl.reference naming a root (not a step folder) reads its newest checkpoint; if that root is still being
+    written (another run's), a resume must read the same step as the run's start, or a resumed run differs from a
+    straight one. The step folder chosen at the start is kept in the run's loop states and used on resume (unless
+    rl.reference now names another root); nothing is pinned for the initial weights, a step folder or an HF folder."""
+    from spade_mega.megatron.reference import pinned_reference
+    from spade_mega.selfplay.state import LoopState
+
+    root = tmp_path / "other-run" / "checkpoints"
+
+    def saved(step: int) -> Path:
+        folder = root / f"step_{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "spade_checkpoint.json").write_text(json.dumps({"format": FORMAT_VERSION, "step": step,
+                                                                  "architecture": {}}))
+        return folder
+
+    first = saved(1)
+    cfg = load_config(TINY, ["rl.kl_coef=0.1", f"rl.reference={root}"])
+    pinned = pinned_reference(cfg, None)  # the run's start
+    assert pinned == str(first)
+    saved(2)  # the other run goes on saving
+    state = LoopState.from_dict(LoopState(rollout=1, reference=pinned).to_dict(), "state")
+    assert pinned_reference(cfg, state.reference) == str(first)  # the resume
+    assert pinned_reference(cfg, None).endswith("step_000002")  # a state saved before it was recorded: the newest
+    elsewhere = tmp_path / "third" / "checkpoints"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / first.name).symlink_to(first)
+    assert pinned_reference(load_config(TINY, ["rl.kl_coef=0.1", f"rl.reference={elsewhere}"]), pinned) == \
+        str(elsewhere / first.name)  # rl.reference changed: its own newest, not the recorded one
+    assert pinned_reference(load_config(TINY, ["rl.kl_coef=0.1", f"rl.reference={first}"]), None) is None
+    assert pinned_reference(load_config(TINY, ["rl.kl_coef=0.1"]), None) is None
+    assert LoopState.from_dict({**LoopState().to_dict(), "reference": None}, "state").reference is None
+
+
 def test_the_reference_is_packed_into_buckets_that_the_pinned_allocators_rounding_barely_grows() -> None:
     """torch's pinned host allocator rounds every allocation up to a power of two. A rank's shards of Qwen3-30B-A3B
     in bf16 in the example layout (TP4, EP8, ETP1: 16 experts of each of 48 layers, a quarter of attention,

@@ -118,16 +118,42 @@ def reference_source(cfg: SpadeConfig) -> tuple[str, Optional[str]]:
     return "inference.hf_weights", cfg.inference.hf_weights
 
 
-def prepare_reference(trainer: "Trainer", checkpoint: Optional[Path]) -> None:
+def pinned_reference(cfg: SpadeConfig, recorded: Optional[str]) -> Optional[str]:
+    """The step folder of the checkpoint root ``rl.reference`` names, for the whole run: ``recorded`` (what the run
+    resolved it to at its start, kept in its loop states) when resuming, else the newest complete checkpoint there
+    now. A root still being written (another run's) would otherwise give each resume a newer reference, so a resumed
+    run would differ from a straight one. None when rl.reference names no checkpoint root (the KL term off, the
+    initial weights, a Hugging Face folder, a step folder): the configured folder is read as it is."""
+    from spade_mega.megatron.checkpoint import CheckpointError, resolve_checkpoint
+
+    field, folder = reference_source(cfg)
+    if cfg.rl.kl_coef <= 0 or field != "rl.reference" or folder is None:
+        return None
+    path = Path(folder)
+    if recorded is not None and Path(recorded).parent.resolve() == path.resolve():  # not if rl.reference changed
+        return recorded
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    try:
+        resolved = resolve_checkpoint(path)
+    except CheckpointError as exc:
+        raise ConfigError(field, f"cannot be read as the reference policy: {exc}") from None
+    return None if resolved == path else str(resolved)
+
+
+def prepare_reference(trainer: "Trainer", checkpoint: Optional[Path], pinned: Optional[str] = None) -> None:
     """Give a just-built ``trainer`` the reference of its run, before any weights are loaded into it (collective).
 
     A new run (``checkpoint`` None) with ``rl.reference: initial`` takes it at its first step, from the weights it
     starts from. A run resuming from ``checkpoint`` re-reads the initial weights first: ``inference.hf_weights``, or
     the seeded initialisation the trainer holds now, which depends on the parallel layout (a resume in another
-    layout is refused: name the initial weights instead). A named ``rl.reference`` folder is read either way."""
+    layout is refused: name the initial weights instead). A named ``rl.reference`` folder is read either way (its
+    step folder ``pinned`` when it names a checkpoint root: :func:`pinned_reference`)."""
     if trainer.reference is None:
         return
     field, folder = reference_source(trainer.cfg)
+    if pinned is not None and field == "rl.reference":
+        folder = pinned
     if folder is not None and (checkpoint is not None or field == "rl.reference"):
         load_reference(trainer, folder, field=field)
     elif checkpoint is not None:

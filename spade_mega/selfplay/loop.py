@@ -38,7 +38,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -555,6 +555,7 @@ class SelfPlay:
         self.store = CheckpointStore(self.run_dir)
         self.on_disk: Optional[int] = None  # the trainer step whose checkpoint this run saved or resumed from last
         self.served = 0  # the weight version the engine serves: the trainer step of the last update sent to it
+        self.reference: Optional[str] = None  # the step folder of a checkpoint root named in rl.reference
 
     def _steps_per_rollout(self) -> int:
         """Optimizer steps planned per rollout: every environment's agent plays and one designer sample per slot (none
@@ -629,11 +630,15 @@ class SelfPlay:
     def _run(self, trainer: Trainer, actor: Optional[_Actor], checkpoint: Optional[Path],
              state: Optional[LoopState], stop: _StopSignal, metrics: MetricsLogger) -> RunSummary:
         from spade_mega.bridge import load_hf, sync_weights
-        from spade_mega.megatron.reference import prepare_reference
+        from spade_mega.megatron.reference import pinned_reference, prepare_reference
 
         cfg = self.cfg
         start = 0
-        prepare_reference(trainer, checkpoint)  # rl.kl_coef > 0: before a checkpoint replaces the initial weights
+        # one step folder for the whole run, chosen by rank 0 (the ranks read the same), recorded in its loop states
+        recorded = state.reference if checkpoint is not None and state is not None else None
+        self.reference = _from_rank0(lambda: pinned_reference(cfg, recorded), share=True)
+        # rl.kl_coef > 0: before a checkpoint replaces the initial weights
+        prepare_reference(trainer, checkpoint, self.reference)
         if checkpoint is not None and state is not None:
             trainer.load(str(checkpoint))
             self.on_disk = trainer.step
@@ -848,7 +853,7 @@ class SelfPlay:
             assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
             try:
-                self.store.write_state(trainer.step, actor.state(r, self.served))
+                self.store.write_state(trainer.step, replace(actor.state(r, self.served), reference=self.reference))
             except OSError as exc:  # a full disk fails this small file first
                 raise CheckpointError(f"{self.store.states}: cannot write the loop state of this checkpoint ({exc}); "
                                       "the previous checkpoint stays the newest") from exc

@@ -92,10 +92,13 @@ class LoopState:
     scheduler: dict[str, Any] = field(default_factory=dict)  # SkillScheduler.state_dict()
     trackers: dict[str, Any] = field(default_factory=dict)  # SkillTrackers.state_dict()
     regen_interval: Optional[int] = None  # selfplay.regen_interval of the run that saved it (None: not recorded)
+    # the step folder a checkpoint root named in rl.reference resolved to at the run's start (None: none named, or
+    # not recorded): a resume reads the same reference even when that root has newer checkpoints by then
+    reference: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": STATE_FORMAT, "version": STATE_VERSION, "rollout": self.rollout,
-                "regen_interval": self.regen_interval,
+                "regen_interval": self.regen_interval, "reference": self.reference,
                 "policy_version": self.policy_version, "active_skills": list(self.active_skills),
                 "environments": [e.to_dict() for e in self.environments], "buffer": self.buffer,
                 "scheduler": self.scheduler, "trackers": self.trackers}
@@ -113,7 +116,8 @@ class LoopState:
                         active_skills=[str(s) for s in data["active_skills"]],
                         environments=[ActiveEnv.from_dict(e) for e in data["environments"]],
                         buffer=dict(data["buffer"]), scheduler=dict(data["scheduler"]),
-                        trackers=dict(data["trackers"]), regen_interval=_interval(data.get("regen_interval")))
+                        trackers=dict(data["trackers"]), regen_interval=_interval(data.get("regen_interval")),
+                        reference=None if data.get("reference") is None else str(data["reference"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ResumeError(f"{where}: loop state is damaged ({type(exc).__name__}: {exc})") from None
         return state
