@@ -9,7 +9,8 @@ optimizer step.
 Which weights (``rl.reference``): ``initial`` is the weights the run starts from, ``inference.hf_weights`` or else the
 seeded initialisation; any other value names a spade-mega checkpoint (a step folder or a root) or a Hugging Face
 folder. A resumed run reads them again from that source before its checkpoint replaces the initial weights (never
-from the checkpoint), so its reference is the straight run's.
+from the checkpoint), so its reference is the straight run's: a root is pinned at the run's start to the step folder
+it then resolved to (:func:`pinned_reference`).
 """
 
 from __future__ import annotations
