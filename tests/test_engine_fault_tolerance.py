@@ -608,19 +608,22 @@ def test_generation_and_weight_updates_exclude_each_other(model_folder, in_threa
         marked = _marked(weights, marker)
         names = sorted(marked)
         yield {name: marked[name] for name in names[:1]}
-        time.sleep(0.5)  # the update is in progress: a generation started now must wait for its end
+        waiting.start()  # the update is in progress: a generation started now waits for its end
+        time.sleep(1.0)
+        assert not [e for e in _events(emulator.events)[seen:] if "generate" in e]  # nothing reached the server
         yield {name: marked[name] for name in names[1:]}
 
     try:
         in_flight = threading.Thread(target=generate, args=("in_flight",))
         in_flight.start()
-        time.sleep(0.2)  # its requests sleep in the server
+        while sum("generate" in e for e in _events(emulator.events)) < 2:  # its requests sleep in the server
+            time.sleep(0.01)
         engine.update_weights([_marked(weights, 7)], version=1)
         in_flight.join()
         assert [(g.output_ids, g.weight_version) for g in results["in_flight"]] == [((11,), 0), ((12,), 0)]
 
-        waiting = threading.Timer(0.2, generate, args=("during_update",))
-        waiting.start()
+        waiting = threading.Thread(target=generate, args=("during_update",))
+        seen = len(_events(emulator.events))
         engine.update_weights(slow_buckets(9), version=2)
         waiting.join()
         assert [(g.output_ids, g.weight_version) for g in results["during_update"]] == \
