@@ -96,13 +96,6 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                  f"must divide model.moe_ffn_hidden_size ({model.moe_ffn_hidden_size}), got {etp}")
         _require(tp == 1 or parallel.sequence_parallel, "parallel.sequence_parallel",
                  "must be true when a mixture-of-experts model uses parallel.tensor > 1 (Megatron-Core requires it)")
-        # refused, not fixed: with an all-padding micro-batch (the interleaved schedule's rounding) this layout's
-        # step updates the weights differently from one process (docs/megatron.md, known defect; cause not found)
-        _require(cp == 1 or (vpp or 1) == 1, "parallel.context",
-                 f"parallel.context ({cp}) > 1 with parallel.virtual_pipeline ({vpp}) > 1 is refused for a "
-                 f"mixture-of-experts model (model.num_experts = {model.num_experts}): its step does not match one "
-                 "process when a micro-batch is all padding; drop one of the two (e.g. parallel.virtual_pipeline: "
-                 "null)")
     else:
         _require(ep == 1, "parallel.expert", "needs a mixture-of-experts model (model.num_experts > 0)")
         _require(model.ffn_hidden_size % tp == 0, "parallel.tensor",

@@ -161,28 +161,6 @@ def test_context_parallel_layouts_and_their_row_multiples() -> None:
     assert err.value.path == "parallel.context" and "divide the world size (4 processes)" in str(err.value)
 
 
-def test_context_with_virtual_pipeline_stages_is_refused_for_a_moe_model() -> None:
-    """CP2 x PP2 x 2 virtual stages of a MoE model updates the weights differently from one process when the plan
-    holds an all-padding micro-batch (docs/megatron.md, known defect): refused at the layout check the trainer and
-    `spade-mega launch` apply; each alone, and both on a dense model, still resolve."""
-    from spade_mega.config import ConfigError
-    from spade_mega.config.schema import ModelConfig, ParallelConfig
-    from spade_mega.megatron import resolve_layout
-
-    moe = ModelConfig(num_layers=4)
-    assert moe.num_experts > 0
-    with pytest.raises(ConfigError) as err:
-        resolve_layout(ParallelConfig(context=2, pipeline=2, virtual_pipeline=2), moe, 4)
-    assert err.value.path == "parallel.context"
-    assert "parallel.virtual_pipeline (2)" in str(err.value) and "mixture-of-experts" in str(err.value)
-    assert resolve_layout(ParallelConfig(context=2, pipeline=2), moe, 4).context == 2
-    assert resolve_layout(ParallelConfig(context=2, pipeline=2, virtual_pipeline=1), moe, 4).context == 2
-    assert resolve_layout(ParallelConfig(pipeline=2, virtual_pipeline=2), moe, 4).virtual_pipeline == 2
-    dense = resolve_layout(ParallelConfig(context=2, pipeline=2, virtual_pipeline=2), ModelConfig(num_layers=4,
-                                                                                                   num_experts=0), 4)
-    assert (dense.context, dense.virtual_pipeline) == (2, 2)
-
-
 @pytest.mark.multiproc
 def test_a_checkpoint_saved_under_cp2_restores_the_trained_weights(runs: Path) -> None:
     """Saved by two CP ranks after the step; the initial weights loaded over the model, then the saved checkpoint:

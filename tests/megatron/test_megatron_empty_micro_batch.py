@@ -3,7 +3,8 @@ micro-batch count up to a multiple of PP, and a data-parallel rank with the smal
 to keep the ranks in step; Megatron averages the router loss (its gradient and the logged value) over every
 micro-batch it runs, so each empty one diluted it (3 real + 1 empty: 3/4 of the loss). Five samples, each a
 micro-batch of its own in every layout, trained in one process and in two layouts that add one empty micro-batch:
-EP2 over two data-parallel ranks (3 + 2 samples) and PP2 with two virtual stages (5 micro-batches rounded to 6)."""
+EP2 over two data-parallel ranks (3 + 2 samples), PP2 with two virtual stages (5 micro-batches rounded to 6), and the
+same with each row split over two CP ranks (found off in review against a reference packing other rows)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ COMMON = ["--num-samples", "5", "model.num_layers=4", "model.moe_aux_loss_coeff=
 LAYOUTS = {
     "ep2_uneven": (2, ["parallel.expert=2"], 3),
     "pp2_vpp2": (2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"], 6),
+    # a row of two CP ranks holds 2 x 9 tokens: still one sample a micro-batch, as in one process
+    "cp2_pp2_vpp2": (4, ["parallel.context=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                         "parallel.max_tokens_per_gpu=9"], 6),
 }
 RTOL = 1e-5
 
