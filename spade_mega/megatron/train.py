@@ -249,12 +249,19 @@ class Trainer:
     def reference_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Per-token log-probs of every sample under the reference policy (``rl.kl_coef > 0``), aligned as
         :meth:`logprobs`: its weights swapped into the model for the forward, the policy's swapped back exactly."""
+        return self.reference_logprobs_of_steps([samples])[0]
+
+    def reference_logprobs_of_steps(self, batches: Sequence[Sequence[TrainSample]]) -> list[list[torch.Tensor]]:
+        """:meth:`reference_logprobs` of each batch, under one swap of the weights (the self-play loop's pre-pass
+        over a rollout's optimizer steps: two host <-> device copies of the shards per rollout, not per step). Each
+        batch is packed as its :meth:`train_step` packs it, so the values are bit for bit the ones that step would
+        compute itself (the packing changes a row's numerics in the last bits)."""
         if self.reference is None:
             raise ConfigError("rl.kl_coef", "is 0: the trainer keeps no reference policy")
         if not self.reference.ready:
             self.reference.capture()
         with self.reference.swapped_in():
-            return self.logprobs(samples)
+            return [self.logprobs(batch) for batch in batches]
 
     def logits(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Full-vocabulary logits [n, vocab] of every sample (row t: the distribution of token t given tokens[:t];

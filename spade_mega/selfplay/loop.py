@@ -721,7 +721,9 @@ class SelfPlay:
     def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> tuple[dict[str, float], list[bool]]:
         """The rollout's optimizer steps: their metrics, and per sample whether its step was applied (a step whose
         gradients were not finite is skipped). Old log-probs come from one forward before the first step, so every
-        step of the rollout clips against the policy that the rollout started from (PPO's minibatch convention)."""
+        step of the rollout clips against the policy that the rollout started from (PPO's minibatch convention). With
+        the KL term, the reference log-probs of every step come from the same pre-pass (one swap of the reference's
+        weights per rollout), each step's batch packed as that step packs it."""
         if not samples:
             return {"train/steps": 0.0}, []
         # A decaying schedule follows the run's rollouts: its horizon counts the planned steps, and a rollout that
@@ -741,6 +743,10 @@ class SelfPlay:
                 gaps.append((values - sample.rollout_logprobs)[sample.loss_mask].abs())
         batches = optimizer_batches(samples, self.cfg.selfplay.global_batch_size,
                                     derive_seed(self.cfg.run.seed, "batch", r))
+        if trainer.reference is not None:  # rl.kl_coef > 0: the reference is fixed, so it is swapped in once a rollout
+            for batch, values in zip(batches, trainer.reference_logprobs_of_steps(batches)):
+                for sample, ref in zip(batch, values):
+                    sample.ref_logprobs = ref
         results: list[StepResult] = [trainer.train_step(batch) for batch in batches]
         step_of = {id(sample): k for k, batch in enumerate(batches) for sample in batch}
         updated = [results[step_of[id(sample)]].updated for sample in samples]
