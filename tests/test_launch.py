@@ -888,9 +888,12 @@ def test_serve_stops_the_node_when_one_server_crashes() -> None:
     base = free_port()
     commands = [([sys.executable, str(DATA / "health_server.py"), "--port", str(base), "0.5", "3"], dict(os.environ)),
                 ([sys.executable, str(DATA / "health_server.py"), "--port", str(base + 1)], dict(os.environ))]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     assert node.serve(commands, poll_s=0.1) == 3
     assert time.monotonic() - started < 30
+    # the caller's handlers are back: they swallowed the Ctrl-C of a process that runs serve and then goes on
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     with pytest.raises(node.SlurmEnvError):  # the healthy one was stopped with it
         node.wait_healthy([f"http://127.0.0.1:{base + 1}"], timeout_s=0.3, poll_s=0.1)
 

@@ -229,7 +229,8 @@ def server_commands(command: Sequence[str], servers: int, gpus_per_server: int,
 def serve(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: float = 1.0) -> int:
     """Run this node's servers until one exits or this process is asked to stop; then stop the rest.
 
-    Returns the first non-zero exit status (or 0), so srun and the job script see a crashed server.
+    Returns the first non-zero exit status (or 0), so srun and the job script see a crashed server. The caller's
+    SIGTERM and SIGINT handlers are back when it returns (a Ctrl-C after it is the caller's again).
     """
     procs = [subprocess.Popen(argv, env=env, start_new_session=True) for argv, env in commands]
     stop = {"signal": 0}
@@ -237,8 +238,7 @@ def serve(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: float = 
     def _stop(signum: int, _frame: object) -> None:
         stop["signal"] = signum
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     status = 0
     try:
         while not stop["signal"]:
@@ -260,6 +260,8 @@ def serve(commands: Sequence[tuple[list[str], dict[str, str]]], poll_s: float = 
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return status if not stop["signal"] else 128 + stop["signal"]
 
 
