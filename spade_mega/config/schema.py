@@ -378,8 +378,15 @@ class RewardsConfig:
 
 @dataclass
 class RLConfig:
-    """GRPO for both roles: advantages, PPO-clip loss, truncated importance sampling; see rl/. Reference: KL 0, entropy 0."""
+    """GRPO for both roles: advantages, PPO-clip (or GSPO) loss, truncated importance sampling; see rl/. Reference:
+    KL 0, entropy 0."""
 
+    # "ppo": token-level PPO-clip (GRPO, the SPADE recipe). "gspo": Group Sequence Policy Optimization (Zheng et al.
+    # 2025; verl's loss_mode gspo, slime's --advantage-estimator gspo): one importance ratio per sample, the geometric
+    # mean of its tokens' ratios, clipped per sample; needs loss_aggregation seq-mean-token-mean and clip ranges of
+    # its own scale: the paper's 3e-4 / 4e-4. The PPO defaults 0.2 / 0.28 are wrong for GSPO (a per-token geometric
+    # mean stays far inside them: it would almost never clip), so gspo with both at those defaults is refused.
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
@@ -408,6 +415,15 @@ class RLConfig:
         _positive("rl", self, "eps_clip_high", "tis_clip", "adv_eps")
         _require(0.0 <= self.tis_clip_low <= 1.0 <= self.tis_clip, "rl.tis_clip_low",
                  f"needs 0 <= rl.tis_clip_low <= 1 <= rl.tis_clip, got {self.tis_clip_low}, {self.tis_clip}")
+        if self.policy_loss == "gspo":
+            _require(self.loss_aggregation == "seq-mean-token-mean", "rl.loss_aggregation",
+                     f"must be seq-mean-token-mean with rl.policy_loss gspo (each sample's term is its token mean, "
+                     f"each sample weighs the same, as in the GSPO objective), got {self.loss_aggregation}")
+            _require((self.eps_clip_low, self.eps_clip_high) != (0.2, 0.28), "rl.eps_clip_low",
+                     "is left at the PPO defaults (rl.eps_clip_low 0.2, rl.eps_clip_high 0.28) with rl.policy_loss "
+                     "gspo, whose per-sample ratio (a geometric mean over the tokens) stays far inside them: it would "
+                     "almost never clip. Set GSPO's own ranges, the paper's rl.eps_clip_low 3e-4 and "
+                     "rl.eps_clip_high 4e-4")
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             _require(value >= 0.0, f"rl.{name}", f"must be >= 0, got {value}")

@@ -329,6 +329,8 @@ class Trainer:
             (("entropy",) if self.objective.needs_entropy else ())
         sums = torch.zeros(2 + len(mean_keys), dtype=torch.float64)  # loss, loss tokens, weighted means
         peak = torch.zeros(1, dtype=torch.float64)
+        gspo = self.cfg.rl.policy_loss == "gspo"
+        sequences = torch.zeros(2, dtype=torch.float64)  # GSPO: samples (token shares under CP), clipped samples
         kl_sums = torch.zeros(2 * len(ROLES), dtype=torch.float64)  # per role: KL summed over loss tokens, tokens
         roles = torch.tensor([ROLES.index(s.role) for s in batch])
 
@@ -350,6 +352,9 @@ class Trainer:
                     sums[2 + k] += n * float(metrics[key])
                 if has_rollout:
                     peak[0] = max(float(peak[0]), float(metrics["tis_ratio_max"]))
+                if gspo:
+                    sequences[0] += float(metrics["num_sequences"])
+                    sequences[1] += float(metrics["num_sequences"]) * float(metrics["seq_clip_frac"])
                 if self.reference is not None:
                     tokens = mb.loss_mask.reshape(-1)
                     role = roles[mb.sample_ids.reshape(-1).clamp(min=0)]
@@ -376,6 +381,8 @@ class Trainer:
 
         dist.all_reduce(sums)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if gspo:
+            dist.all_reduce(sequences)
         aux = compat.moe_load_balancing_loss(self.model_cfg.num_layers, aux_micro_batches) \
             if self.model_cfg.num_experts else None
         elapsed = time.perf_counter() - start
@@ -392,6 +399,8 @@ class Trainer:
                    "samples_designer": float(sum(s.role == "designer" for s in batch))}
         if has_rollout:
             metrics["tis_ratio_max"] = float(peak[0])
+        if gspo:
+            metrics["seq_clip_frac"] = float(sequences[1]) / float(sequences[0]) if sequences[0] > 0 else 0.0
         if self.reference is not None:  # per role only where the step had that role's loss tokens
             dist.all_reduce(kl_sums)
             metrics["kl"] = float(kl_sums[0::2].sum()) / max(float(kl_sums[1::2].sum()), 1.0)

@@ -1,5 +1,16 @@
-"""The GRPO policy loss for both roles: PPO-clip with asymmetric epsilon, truncated importance sampling, optional
-KL to a reference policy and entropy bonus. Plain torch; the Triton kernel behind ``kernels.enabled`` must match it.
+"""The GRPO policy loss for both roles: PPO-clip with asymmetric epsilon (or GSPO's sequence-level ratio,
+``rl.policy_loss``), truncated importance sampling, optional KL to a reference policy and entropy bonus. Plain torch;
+the trainer's Triton kernels (``kernels.enabled``) compute only the log-probs it takes.
+
+GSPO (Group Sequence Policy Optimization, Zheng et al. 2025), as verl's ``compute_policy_loss_gspo`` and slime's
+``compute_gspo_kl`` have it: sample i's ratio is ``s_i = exp(mean over its loss tokens of (logprobs - old_logprobs))``,
+the geometric mean of its token ratios, and each token carries ``s_i,t = sg[s_i] * exp(logprobs_t - sg[logprobs_t])``
+(equal to s_i; its gradient ``s_i * grad logprobs_t``), clipped to ``[1 - eps_clip_low, 1 + eps_clip_high]`` like a
+PPO ratio. With ``seq-mean-token-mean`` (the only aggregation GSPO takes) a sample's term is its clipped surrogate
+``min(s_i A_i, clip(s_i) A_i)`` and each token's gradient ``s_i * A_i * grad logprobs_t / |y_i|``. Since the sequence
+mean is a stopped value, a context-parallel shard gets it from ``sample_sums`` like the other per-sample sums. The
+truncated IS weight multiplies each token's clipped term as in PPO (verl and slime apply theirs per token too), at
+``rl.tis_level``: ``sequence`` gives every token of a sample the sample's weight, correcting the whole sequence term.
 
 Log-probabilities, per token:
 
@@ -39,6 +50,7 @@ from spade_mega.config.schema import RLConfig
 
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: a larger log-ratio is a broken token; clamping keeps exp and its grad finite
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+POLICY_LOSSES = ("ppo", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOW_VAR_KL_LIMIT = 10.0  # verl's clamp of its low_var_kl (k3): a token past it adds a constant, no gradient
 
@@ -159,13 +171,22 @@ def policy_loss(
     Tokens outside ``loss_mask`` get exactly zero gradient, whatever their values (padding may hold -inf or NaN).
 
     Metrics (detached 0-d tensors, means over this call's loss tokens; combine calls weighted by ``num_tokens``, and
-    ``tis_ratio_max`` by max): ``pg_loss``, ``clip_frac`` (tokens whose clipped branch was taken), ``approx_kl``
-    (k3 estimate of KL(old || current)), with rollout_logprobs ``tis_ratio_mean``/``tis_ratio_max`` (untruncated IS
-    ratio) and ``tis_truncated_frac``, with ref_logprobs ``kl_ref`` (:func:`kl_to_reference`, ``rl.kl_estimator``), with
-    entropy ``entropy``.
+    ``tis_ratio_max`` by max): ``pg_loss``, ``clip_frac`` (tokens whose clipped branch was taken; under GSPO the
+    tokens of clipped samples, the paper's clipped-token fraction), ``approx_kl`` (k3 estimate of KL(old || current),
+    per token in both losses), with rollout_logprobs ``tis_ratio_mean``/``tis_ratio_max`` (untruncated IS ratio) and
+    ``tis_truncated_frac``, with ref_logprobs ``kl_ref`` (:func:`kl_to_reference`, ``rl.kl_estimator``), with
+    entropy ``entropy``. GSPO adds ``seq_clip_frac``, the fraction of samples clipped, a mean over ``num_sequences``
+    (this call's samples, each counted as its share of its loss tokens, so a context-parallel shard's counts add up
+    to whole samples over the CP group): combine calls weighted by ``num_sequences``.
     """
     if cfg.loss_aggregation not in AGGREGATIONS:
         raise ValueError(f"rl.loss_aggregation must be one of {AGGREGATIONS}, got {cfg.loss_aggregation!r}")
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"rl.policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
+    gspo = cfg.policy_loss == "gspo"
+    if gspo and cfg.loss_aggregation != "seq-mean-token-mean":
+        raise ValueError(f"rl.policy_loss 'gspo' needs rl.loss_aggregation 'seq-mean-token-mean' (a sample's term is "
+                         f"the mean over its tokens, every sample weighs the same), got {cfg.loss_aggregation!r}")
     shape = logprobs.shape
     named = {"old_logprobs": old_logprobs, "advantages": advantages, "loss_mask": loss_mask,
              "rollout_logprobs": rollout_logprobs, "ref_logprobs": ref_logprobs, "entropy": entropy}
@@ -193,7 +214,15 @@ def policy_loss(
         return torch.where(mask, t if keep_grad else t.detach(), zero)
 
     lp, old, adv = clean(logprobs, True), clean(old_logprobs), clean(advantages)
-    log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    token_log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    # per token, the loss tokens of its sample (all context-parallel shards'): seq-mean-token-mean's and GSPO's
+    tokens_per_sample = _sample_sums(mask.to(dtype), seg, sample_sums) \
+        if cfg.loss_aggregation == "seq-mean-token-mean" else None
+    if gspo:  # log s_i,t = sg[mean_i(logprobs - old)] + logprobs_t - sg[logprobs_t]
+        seq_log_ratio = _sample_sums((lp - old).detach(), seg, sample_sums) / tokens_per_sample.clamp(min=1.0)
+        log_ratio = (seq_log_ratio + lp - lp.detach()).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    else:
+        log_ratio = token_log_ratio
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
@@ -227,8 +256,7 @@ def policy_loss(
         raise ValueError(f"normalizer {normalizer!r} is below this call's own count {local} "
                          f"({cfg.loss_aggregation!r}); pass the count over the whole global batch: loss_normalizer "
                          "summed over every micro-batch and data-parallel rank")
-    if cfg.loss_aggregation == "seq-mean-token-mean":
-        tokens_per_sample = _sample_sums(mask.to(dtype), seg, sample_sums)
+    if tokens_per_sample is not None:
         weight_t = 1.0 / (tokens_per_sample.clamp(min=1.0) * max(norm, 1.0))
     else:
         weight_t = torch.full_like(per_token, 1.0 / max(norm, 1.0))
@@ -238,7 +266,15 @@ def policy_loss(
         n = mask.sum()
         denom = n.clamp(min=1).to(dtype)
         metrics["pg_loss"] = torch.where(mask, pg, zero).sum() / denom
-        metrics["clip_frac"] = (mask & (pg_clipped > pg_unclipped)).sum().to(dtype) / denom
-        metrics["approx_kl"] = torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum() / denom
+        clipped = mask & (pg_clipped > pg_unclipped)
+        metrics["clip_frac"] = clipped.sum().to(dtype) / denom
+        k3 = (torch.exp(token_log_ratio) - 1.0) - token_log_ratio
+        metrics["approx_kl"] = torch.where(mask, k3, zero).sum() / denom
+        if gspo:
+            share = torch.where(mask, 1.0 / tokens_per_sample.clamp(min=1.0), zero)  # sums to 1 over a sample
+            num_sequences = share.sum()
+            metrics["seq_clip_frac"] = torch.where(clipped, share, zero).sum() / \
+                torch.where(num_sequences > 0, num_sequences, torch.ones_like(num_sequences))
+            metrics["num_sequences"] = num_sequences
         metrics["num_tokens"] = n.to(dtype)
     return loss, metrics
