@@ -153,6 +153,27 @@ SAME = [  # (answer the model boxed, reference)
     ("(x, y) = (1, 2)", "(1, 2)"),  # a named pair
     # vectors and matrices, entry by entry
     ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", "\\begin{pmatrix}-\\frac{1}{3}\\\\ \\frac{2}{3}\\end{pmatrix}"),
+    # units inside tuples, sets and lists, and plain unit words (no \text{}): a unit of the whitelist, 2 letters or more
+    ("(2\\text{ cm}, 3\\text{ cm})", "(2, 3)"),
+    ("\\left(2 \\text{ cm}, 3 \\text{ cm}\\right)", "(2\\text{ cm}, 3\\text{ cm})"),
+    ("(2 cm, 3 cm)", "(2, 3)"),
+    ("2\\text{ cm}, 3\\text{ cm}", "3, 2"),
+    ("\\{2\\mathrm{g}, 5\\mathrm{g}\\}", "\\{5, 2\\}"),
+    ("[2\\text{ m}, 5\\text{ m})", "[2, 5)"),
+    ("(4\\text{ cm}^2, 9\\text{ cm}^2)", "(4, 9)"),
+    ("2 cm", "2"),
+    ("3 hours", "3"),
+    ("60 miles per hour", "60"),
+    ("12 square units", "12"),
+    ("5 thousand", "5000"),  # a plain scale word is a factor, as a wrapped one
+    ("2\\mathrm{g}", "2\\text{ g}"),  # the same unit written two ways
+    ("2\\mathrm{g}", "2 \\, \\mathrm{g}"),
+    ("2\\mathrm{kg}", "2 kg"),
+    ("2\\mathrm{g}", "2g"),  # the same text once \\mathrm{} is dropped (the plain letter alone is a variable: not 2)
+    # an equation in x is no named value, even when it starts "x ="; x = x and 0 = 0 state no relation (refused)
+    ("x = 2x + 1", "x = -1"),
+    ("x = 2x + 1", "x + 1 = 0"),
+    ("0 = 0", "0=0"),  # the same text
     ("\\begin{bmatrix}1&\\sqrt{8}\\\\3&4\\\\\\end{bmatrix}", "\\begin{pmatrix} 1 & 2\\sqrt2 \\\\ 3 & 4 \\end{pmatrix}"),
 ]
 
@@ -273,6 +294,29 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "\\begin{pmatrix}1 & 3\\\\ 2 & 4\\end{pmatrix}"),  # transposed
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\end{pmatrix}"),  # a column is no row
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "(1, 2)"),
+    # units inside tuples and lists are compared as the unit of a single value is
+    ("(2\\text{ cm}, 3\\text{ cm})", "(2\\text{ m}, 3\\text{ m})"),
+    ("(2\\text{ cm}, 3\\text{ cm})", "(3, 2)"),
+    ("(2 cm, 3 cm)", "(2 km, 3 km)"),
+    ("(2\\mathrm{x}, 3)", "(2, 3)"),  # a letter that names no unit is still a variable
+    ("\\{2\\text{ cm}, 3\\text{ cm}\\}", "\\{2, 4\\}"),
+    ("(4\\text{ cm}^2, 9\\text{ cm}^2)", "(4\\text{ cm}, 9\\text{ cm})"),
+    ("2 cm", "2 m"),
+    ("2 cm", "3"),
+    ("2g", "2"),  # a plain letter is a variable (2 grams only as 2\\mathrm{g} or 2\\text{ g})
+    ("2 ab", "2"),  # words that name no unit are no unit
+    ("2\\text{ g}", "2\\text{ kg}"),
+    # identities (0 = 0, x = x) and false statements in numbers are no relation: two of them are not one answer
+    ("0 = 0", "x = x"),
+    ("x = x", "y = y"),
+    ("0 = 0", "1 = 1"),
+    ("x + 1 = 1 + x", "0 = 0"),
+    ("x(x+1) = x^2 + x", "y = y"),
+    ("0 = 1", "0 = 2"),
+    ("x = x", "x"),  # not the value x named x
+    ("x = 2x + 1", "2x + 1"),  # an equation in x, not the value 2x + 1
+    ("y = 3y", "3y"),
+    ("x = 2x + 1", "x = 1"),
     ("\\begin{vmatrix} 1 & 2 \\\\ 3 & 4 \\end{vmatrix}", "-2"),  # a determinant is not translated
 ]
 
@@ -372,7 +416,8 @@ def test_what_the_translation_refuses() -> None:
                  "2.5\\frac{1}{2}", "2\\frac{x}{2}", "5\\text{ thousands place}", "2\\text{ halves}",
                  "1 2", "x > 3", "\\begin{vmatrix}1\\end{vmatrix}", "a = b = c", "1/0", "0^{-1}",
                  "x" * (MAX_CHARS + 1), "5!!", "x != 3", "(-1)!", "(\\frac{1}{2})!", f"{MAX_FACTORIAL + 1}!",
-                 f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}"):
+                 f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}",
+                 "0 = 0", "x = x", "1 + 1 = 2", "0 = 1", "x(x+1) = x^2 + x", "(1, 2\\text{ million})"):
         assert parse_answer(text) is None, text
     assert parse_answer("5\\text{ thousand}").value == 5000 and parse_answer("5\\text{ thousand}").unit == ""
     assert expression("2\\sqrt{2}") == expression("\\sqrt{8}")

@@ -8,10 +8,11 @@ completion and *compares* it with the reference answer.
   exactly those, a hedge otherwise (the same answer boxed twice, in any form, is one). Compared, in this order: as exact
   rational numbers when both read as one (``1,000`` = ``1000``, ``016`` = ``16``, ``2.50`` = ``5/2`` = ``\\frac{5}{2}``;
   a comma followed by a space separates list entries, so ``1, 234`` is no number; around a number, ``x =``, ``\\$``,
-  ``\\%``, ``^\\circ`` and a trailing unit in ``\\text{}`` / ``\\textnormal{}`` / ``\\mbox{}`` / ``\\mathrm{}`` are
-  formatting, MATH's answers drop them, except that two different units or variables never match: ``5\\text{ cm}``
-  is not ``5\\text{ m}``, ``x = 3`` not ``y = 3``; a unit is words that name one (``symbolic.trailing_unit``: not
-  ``2\\mathrm{x}``, a variable), a scale word is a factor, ``5\\text{ thousand}`` 5000); as text
+  ``\\%``, ``^\\circ`` and a trailing unit in ``\\text{}`` / ``\\textnormal{}`` / ``\\mbox{}`` / ``\\mathrm{}`` or in
+  plain words (``5 cm``) are formatting, MATH's answers drop them, except that two different units or variables never
+  match: ``5\\text{ cm}`` is not ``5\\text{ m}``, ``x = 3`` not ``y = 3``; a unit is words that name one
+  (``symbolic.trailing_unit``: not ``2\\mathrm{x}``, a variable), a scale word is a factor, ``5\\text{ thousand}``
+  5000); as text
   after normalisation (spaces, ``$``, ``\\text{}``, ``\\left``/``\\right``, ``\\dfrac``, a trailing full stop,
   ``\\leq`` = ``<=``, ``\\varnothing`` = ``\\{\\}``, Unicode ``π``); else symbolically (``symbolic.py``: ``2^{10}`` =
   ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` = ``120``, ``x - 3 = 0`` = ``x = 3``, tuples

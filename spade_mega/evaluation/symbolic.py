@@ -20,18 +20,23 @@ set ``\\{a, b\\}`` or a bare list ``a, b`` (``6 \\text{ and } 8`` too; compared 
 may be named, ``x = 1, x = 2``), ``a \\pm b`` (the set of ``a + b`` and ``a - b``, every ``\\pm`` taking the same
 sign and ``\\mp`` the other; in a list, its two values are two entries), a union ``A \\cup B``, an equation
 ``y = 2x + 1`` (``x =``, ``f(x) =``, ``(x, y) =`` or ``x \\in`` before a value is dropped, but ``x = 3`` is not
-``y = 3``; two equations are the same when their ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is
-``x = 3``, ``y = x`` is ``x = y``, but ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value,
-``x - 3 = 0`` is not ``3``), a trailing percent sign (a percentage equals its number with or without the sign, and
-its number / 100 against a side without one), degrees (``^\\circ``: formatting) and a trailing unit in
-``\\text{}`` / ``\\mathrm{}`` (words of ``_UNIT_WORDS`` only, ``^2`` / ``^3`` part of the unit; two different units
-never match; a letter that names no unit is a variable, ``2\\mathrm{x}`` is 2x; a scale word is a factor, not a
-unit: ``5\\text{ thousand}`` is 5000, ``5\\text{ dozen}`` 60, never 5).
+``y = 3``, and ``x = 2x + 1`` is an equation in x, not the value 2x + 1; two equations are the same when their
+``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``, but
+``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``), a trailing percent
+sign (a percentage equals its number with or without the sign, and its number / 100 against a side without one),
+degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` / ``\\mathrm{}`` / ``\\unit{}`` or in plain
+words of two letters or more (``2 cm``, ``3 hours``; words of ``_UNIT_WORDS`` only, ``^2`` / ``^3`` part of the unit;
+two different units never match; a letter that names no unit is a variable, ``2\\mathrm{x}`` is 2x, and a plain
+letter is one, ``2g`` is 2g; a scale word is a factor, not a unit: ``5\\text{ thousand}`` is 5000, ``5\\text{
+dozen}`` 60, never 5), each entry of a tuple, set or list with its own (``(2\\text{ cm}, 3\\text{ cm})`` is ``(2,
+3)``).
 
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams equal;
 other trailing words, ``5\\text{ thousands place}``: a place value), a mixed number that something multiplies
 (``2\\frac{1}{2}x``: 2 x/2 or 5x/2?) or with an improper fraction (``2\\frac{3}{2}``), two numbers side by side,
-``\\pm`` in a tuple (``(\\pm 1, \\pm 2)``: two points or four?), inequalities and ``!=``, a double factorial ``5!!``,
+``\\pm`` in a tuple (``(\\pm 1, \\pm 2)``: two points or four?), an equation that holds for every value or for none
+(``0 = 0``, ``x = x``, ``1 + 1 = 2``, ``0 = 1``: no relation between variables, so two of them are not one answer; the
+text decides), inequalities and ``!=``, a double factorial ``5!!``,
 determinants (``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS``
 entries (matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
 (``9^{9^{9^9}}``, and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a
@@ -531,9 +536,13 @@ class Answer:
     variable: str = ""
 
 
-# a trailing \text{ cm}, \mathrm{m}, with a square or cube: \text{ cm}^2
-_UNIT = re.compile(r"\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}"
-                   r"(?:\s*\^\s*(?:\{\s*([23])\s*\}|([23])))?[\s.$]*$")
+# a unit: \text{ cm}, \mathrm{m} (siunitx's \unit{cm} too), or plain words of two letters or more (2 cm, 3 hours: one
+# letter is a variable, 2g is 2 g), with a square or cube: \text{ cm}^2, 4 cm^2
+_UNIT_FORM = (r"(?:\\(?:text|textnormal|textrm|mbox|mathrm|unit)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}"
+              r"|(?<![\\A-Za-z])([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*))(?:\s*\^\s*(?:\{\s*([23])\s*\}|([23])))?")
+_UNIT = re.compile(_UNIT_FORM + r"[\s.$]*$")  # the unit that ends an answer
+# a unit that ends an entry of a tuple, set or list: (2\text{ cm}, 3\text{ cm})
+_ENTRY_UNIT = re.compile(_UNIT_FORM + r"(?=\s*(?:,|\\right|\\\}|[)\]]|$))")
 # words: a text wrapper holding two letters in a row, or three letters in a row outside a command (\\sqrt, \\pi)
 _WORDS = re.compile(r"\\(?:text\w*|mbox|mathrm|mathbf|operatorname)\s*\{[^{}]*[A-Za-z]{2}|(?<![\\A-Za-z])[A-Za-z]{3}")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
@@ -571,17 +580,33 @@ def trailing_unit(answer: str) -> Optional[Unit]:
     cm}^2``); None when it ends in none, or in a wrapper whose words are no unit (``2\\mathrm{x}``, ``5\\text{
     thousands place}``): that text is then part of the value (a variable, or refused as words)."""
     found = _UNIT.search(answer)
-    if found is None or found.start() == 0:
-        return None
-    words, factor = found.group(1).split(), Fraction(1)
+    return None if found is None or not answer[:found.start()].strip() else _unit(found)
+
+
+def _unit(found: re.Match[str]) -> Optional[Unit]:
+    """The unit ``_UNIT_FORM`` matched, None when its words name none."""
+    words, factor = (found.group(1) or found.group(2)).split(), Fraction(1)
     while words and (scale := scale_factor(words[0])) is not None:  # 5 hundred thousand: 5 10^5
         factor *= scale
         words.pop(0)
-    power = found.group(2) or found.group(3)
+    power = found.group(3) or found.group(4)
     if words and not (_unit_word(words[-1]) and all(_unit_word(w) or w in _UNIT_JOINERS for w in words)) or \
             (power and not words):
         return None
     return Unit(found.start(), factor, " ".join(words) + (f"^{power}" if power else ""))
+
+
+def _entry_units(text: str) -> str:
+    """``text`` with the unit that ends each entry of a tuple, set or list as ``\\unit{...}``, which cleaning keeps
+    (``(2\\text{ cm}, 3\\mathrm{g})``: ``(2\\unit{cm}, 3\\unit{g})``; each entry's unit is then read as a single
+    value's). Scale words stay (``1, 2\\text{ million}`` is refused), and so does text that names no unit."""
+    def marked(found: re.Match[str]) -> str:
+        unit = _unit(found)
+        if unit is None or unit.factor != 1 or not unit.name or not text[:found.start()].strip():
+            return found.group(0)
+        name, _, power = unit.name.partition("^")
+        return f"\\unit{{{name}}}" + (f"^{power}" if power else "")
+    return _ENTRY_UNIT.sub(marked, text)
 
 
 def parse_answer(answer: str) -> Optional[Answer]:
@@ -622,7 +647,9 @@ def _structure(raw: str, top: bool) -> Answer:
             raise Refused("a matrix too large")
         return Answer("tuple", brackets="matrix", items=tuple(
             Answer("tuple", brackets="row", items=tuple(_answer(entry) for entry in row.split("&"))) for row in rows))
-    if _WORDS.search(raw) or _WORDS.search(clean(raw)):
+    raw = _entry_units(raw)
+    unitless = re.sub(r"\\unit\s*\{[^{}]*\}", "", raw)
+    if _WORDS.search(unitless) or _WORDS.search(clean(unitless)):
         raise Refused("words")  # "\\text{east}" is no product e*a*s*t ("seat" would equal it)
     text = clean(raw)
     if "!=" in text:
@@ -634,8 +661,9 @@ def _structure(raw: str, top: bool) -> Answer:
     name = "".join(named.group("name").split()) if named is not None else ""
     if name.startswith("(") and name[1:-1].split(",") != sorted(name[1:-1].split(",")):
         raise Refused("a pair named out of order")  # (y, x) = (1, 2) is the pair (x, y) = (2, 1): not (1, 2)
-    if named is not None and "=" not in text[named.end():]:  # "x = 5" is 5; "x = y = 5" is refused below
-        value = _answer(text[named.end():].strip())
+    value = _answer(text[named.end():].strip()) if named is not None and "=" not in text[named.end():] else None
+    # "x = 5" is 5 ("x = y = 5" is refused below); "x = 2x + 1" is an equation in x, not the value 2x + 1
+    if value is not None and not (len(name) == 1 and _holds(value, name)):
         if value.kind == "set":  # x = \pm 2, x = 1, 2: each value is x's (not y's)
             items = tuple(replace(item, variable=item.variable or name) for item in value.items)
             value = replace(value, items=items)
@@ -652,7 +680,12 @@ def _structure(raw: str, top: bool) -> Answer:
         return Answer("set", items=_spliced(_answer(part, top=True) for part in items))
     sides = _top_level(text, "=")
     if len(sides) == 2:
-        return Answer("eq", value=expression(sides[0]) - expression(sides[1]))
+        import sympy
+
+        difference = expression(sides[0]) - expression(sides[1])
+        if not difference.free_symbols or _equal(difference, sympy.S.Zero):  # 0 = 0, x = x, 1 + 1 = 2, 0 = 1
+            raise Refused("an equation that holds for every value or none")  # no relation: compared as text
+        return Answer("eq", value=difference)
     if len(sides) > 2:
         raise Refused("a chain of equations")
     if text.startswith("\\{") and text.endswith("\\}"):
@@ -668,6 +701,12 @@ def _structure(raw: str, top: bool) -> Answer:
         values = (expression(_SIGN_CHOICE.sub(lambda m, s=sign: s[m.group(1)], text)) for sign in signs)
         return Answer("set", items=tuple(Answer("expr", value=value) for value in values), brackets="\\pm")
     return Answer("expr", value=expression(text), percent=percent)
+
+
+def _holds(answer: Answer, name: str) -> bool:
+    """Whether the variable ``name`` occurs in ``answer``'s values."""
+    values = [answer.value] if answer.value is not None else []
+    return any(str(s) == name for v in values for s in v.free_symbols) or any(_holds(i, name) for i in answer.items)
 
 
 def _spliced(answers: Any) -> tuple[Answer, ...]:
