@@ -1,6 +1,7 @@
 """The GRPO policy loss for both roles: PPO-clip with asymmetric epsilon (or GSPO's sequence-level ratio,
-``rl.policy_loss``), truncated importance sampling, optional KL to a reference policy and entropy bonus. Plain torch;
-the trainer's Triton kernels (``kernels.enabled``) compute only the log-probs it takes.
+``rl.policy_loss``), truncated importance sampling, optional KL to a reference policy and entropy bonus. Plain torch:
+the trainer's Triton kernels (``kernels.enabled``) give only the log-probs it takes; the kernel's own fused per-token
+loss (kernels/tis_logprob.py, for the benchmark) must match the PPO branch.
 
 GSPO (Group Sequence Policy Optimization, Zheng et al. 2025), as verl's ``compute_policy_loss_gspo`` and slime's
 ``compute_gspo_kl`` have it: sample i's ratio is ``s_i = exp(mean over its loss tokens of (logprobs - old_logprobs))``,
