@@ -409,6 +409,16 @@ class RLConfig:
     # letting them dilute the token mean. Designer samples are never dropped; returns, win rates, regret and the
     # designer's reward still count every play (README, Training: dynamic sampling). Off in the SPADE recipe.
     filter_zero_std_groups: bool = False
+    # MoE routing replay (slime's --use-routing-replay, verl's router replay R2): the experts each MoE layer chose for
+    # each token in the rollout's old-log-prob pass are replayed in every optimizer step's forward (and backward
+    # recompute), so the token ratio compares the same experts; docs/megatron.md, Routing replay. MoE models only.
+    routing_replay: bool = False
+
+    def check_routing_replay(self, num_experts: int) -> None:
+        """Routing replay needs a model with a router (``num_experts``: the model's, resolved from its config)."""
+        _require(not self.routing_replay or num_experts > 0, "rl.routing_replay",
+                 "needs a mixture-of-experts model (model.num_experts > 0): a dense model routes nothing to replay; "
+                 "set rl.routing_replay false")
 
     def check(self) -> None:
         _require(0.0 < self.eps_clip_low < 1.0, "rl.eps_clip_low", f"must be in (0, 1), got {self.eps_clip_low}")
@@ -876,6 +886,8 @@ class SpadeConfig:
             _require(self.rollout.max_context_tokens <= m.max_position_embeddings, "rollout.max_context_tokens",
                      f"must be <= model.max_position_embeddings ({m.max_position_embeddings}): every episode and "
                      f"designer sample grows up to it; got {self.rollout.max_context_tokens}")
+        if m.hf_config is None:  # else the trainer checks the model its config.json describes
+            self.rl.check_routing_replay(m.num_experts)
         _require(not self.rl.filter_zero_std_groups or self.rollout.agent_trajectories_per_env > 1,
                  "rl.filter_zero_std_groups", "true needs rollout.agent_trajectories_per_env > 1: a group of one play "
                  "has no spread of rewards, so every agent sample would be dropped and the agent never trained")

@@ -60,7 +60,9 @@ class TrainSample:
     """One trajectory for the GRPO step. ``old_logprobs`` (the trainer's own log-probs before the update) are
     computed by the trainer with a no-grad forward when None; ``rollout_logprobs`` are the behaviour policy's, as the
     inference engine reported them (delayed designer samples: the policy of several steps ago), for truncated IS;
-    ``ref_logprobs`` the reference policy's (``rl.kl_coef > 0``), computed by the trainer when None."""
+    ``ref_logprobs`` the reference policy's (``rl.kl_coef > 0``), computed by the trainer when None. ``routing``
+    (``rl.routing_replay``): the experts the old policy routed each token to, [tokens, MoE layers of this rank's
+    pipeline stage, top-k] integers, which the train steps replay; recorded by :meth:`Trainer.old_policy`."""
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor
@@ -70,6 +72,7 @@ class TrainSample:
     old_logprobs: Optional[torch.Tensor] = None
     index: Optional[int] = field(default=None, compare=False)  # position in its batch, for error messages
     ref_logprobs: Optional[torch.Tensor] = None
+    routing: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         i = self.index
@@ -95,6 +98,13 @@ class TrainSample:
             if value.numel() != n:
                 raise BatchError(f"{where}{name} has {value.numel()} values for {n} tokens")
             setattr(self, name, value)
+        if self.routing is not None:
+            routing = _tensor(self.routing, "routing", i)
+            if routing.dim() != 3 or routing.shape[0] != n or routing.is_floating_point() or \
+                    routing.dtype == torch.bool:
+                raise BatchError(f"{where}routing must be integer expert indices [tokens ({n}), MoE layers, top-k], "
+                                 f"got {routing.dtype} of shape {tuple(routing.shape)}")
+            self.routing = routing
         if self.loss_mask[0]:
             raise BatchError(f"{where}loss_mask[0] is true, but the first token has no prefix to predict it from")
         if int(self.tokens.min()) < 0:
@@ -122,7 +132,7 @@ def samples_from(records: Sequence[TrainSample]) -> list[TrainSample]:
         if not isinstance(s, TrainSample):
             raise BatchError(f"batch item {i} is a {type(s).__name__}, not a TrainSample")
     return [TrainSample(s.tokens, s.loss_mask, s.advantages, s.role, s.rollout_logprobs, s.old_logprobs, index=i,
-                        ref_logprobs=s.ref_logprobs) for i, s in enumerate(records)]
+                        ref_logprobs=s.ref_logprobs, routing=s.routing) for i, s in enumerate(records)]
 
 
 @dataclass
@@ -143,6 +153,7 @@ class MicroBatch:
     samples: list[int]  # indices in the global batch, in row order
     seqlens: list[int]  # tokens of each segment that are not its padding (a sample's length; the row's padding: all)
     row_index: Optional[torch.Tensor] = None  # a context-parallel shard: its positions in the whole row
+    routing: Optional[torch.Tensor] = None  # [1, L, MoE layers, top-k] the samples' routing to replay, -1 on padding
 
     @property
     def length(self) -> int:
@@ -180,7 +191,7 @@ class MicroBatch:
                           old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
                           rollout_logprobs=take(self.rollout_logprobs),
                           sample_ids=take(self.sample_ids), cu_seqlens=self.cu_seqlens, samples=self.samples,
-                          seqlens=self.seqlens, row_index=index)
+                          seqlens=self.seqlens, row_index=index, routing=take(self.routing))
 
     @property
     def padding_mask(self) -> torch.Tensor:
@@ -265,6 +276,8 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
     old = torch.zeros(length)
     ref = torch.zeros(length)
     rollout = torch.zeros(length) if any(s.rollout_logprobs is not None for s in samples) else None
+    routed = [s.routing for s in samples if s.routing is not None]  # pack() checked: all samples or none
+    routing = torch.full((length, *routed[0].shape[1:]), -1, dtype=torch.int16) if routed else None
     ids = torch.full((length,), -1, dtype=torch.long)
     bounds = [0]
     at = 0
@@ -282,6 +295,8 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
             ref[at:end - 1] = s.ref_logprobs[1:]
         if rollout is not None and s.rollout_logprobs is not None:  # pack() checked: all samples or none
             rollout[at:end - 1] = s.rollout_logprobs[1:]
+        if routing is not None:  # the token's own position: routing is of the input token, not the label
+            routing[at:end] = s.routing
         ids[at:end] = s.index
         at += _round_up(n, segment_multiple)  # the sample's own padding (context parallelism) is in its segment
         bounds.append(at)
@@ -294,7 +309,7 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
                       advantages=adv[None], old_logprobs=old[None], ref_logprobs=ref[None],
                       rollout_logprobs=None if rollout is None else rollout[None], sample_ids=ids[None],
                       cu_seqlens=torch.tensor(bounds, dtype=torch.int32), samples=[s.index for s in samples],
-                      seqlens=seqlens)
+                      seqlens=seqlens, routing=None if routing is None else routing[None])
 
 
 def row_length_multiple(tensor: int = 1, context: int = 1, sequence_parallel: bool = False) -> int:
@@ -358,6 +373,12 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
     if missing and len(missing) < len(samples):
         raise BatchError(f"sample {missing[0]}: rollout_logprobs missing while other samples of the batch have them "
                          "(give them for all samples or none: truncated IS needs every sample's behaviour policy)")
+    routed = {tuple(s.routing.shape[1:]) for s in samples if s.routing is not None}
+    unrouted = [s.index for s in samples if s.routing is None]
+    if routed and (unrouted or len(routed) > 1):
+        raise BatchError(f"sample {unrouted[0]}: routing missing while other samples of the batch have it"
+                         if unrouted else f"routing of different shapes in one batch ({sorted(routed)}: [MoE layers, "
+                         "top-k] per token)")
     segment_multiple = 2 * context if context > 1 else 1
     per_rank = [_bins(share, capacity, segment_multiple) for share in _assign_ranks(samples, data_parallel)]
     count = max(len(bins) for bins in per_rank)

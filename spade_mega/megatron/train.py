@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -57,6 +57,10 @@ from spade_mega.rl.loss import SampleSums, loss_normalizer
 
 if TYPE_CHECKING:
     from spade_mega.megatron.checkpoint import PendingSave
+    from spade_mega.megatron.routing import RoutingReplay
+
+# a forward's routing hook: a context around the model call of one micro-batch by one model chunk (routing.py)
+Route = Callable[[int, MicroBatch], AbstractContextManager]
 
 log = logging.getLogger("spade_mega.megatron")
 
@@ -132,6 +136,14 @@ class Trainer:
         # rl.kl_coef > 0: the reference policy's weights, held in host memory (reference.py); unless a reference is
         # loaded first (reference.prepare_reference), the weights of the first step
         self.reference: Optional[ReferencePolicy] = ReferencePolicy(self) if cfg.rl.kl_coef > 0 else None
+        # rl.routing_replay: the old policy's experts replayed in the steps (routing.py)
+        self.routing: Optional[RoutingReplay] = None
+        if cfg.rl.routing_replay:
+            cfg.rl.check_routing_replay(self.model_cfg.num_experts)
+            from spade_mega.megatron.routing import RoutingReplay
+
+            self.routing = RoutingReplay(chunks, self.model_cfg.num_experts, self.layout.tensor,
+                                         self.layout.sequence_parallel, ps.get_tensor_model_parallel_rank())
 
     # --- layout helpers ---------------------------------------------------------------------------------------
 
@@ -181,15 +193,19 @@ class Trainer:
         return padding
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_fn: Callable[[MicroBatch, torch.Tensor], Any],
-                      forward_only: bool) -> None:
-        """Megatron's forward(-backward) schedule over this rank's micro-batches; ``loss_fn`` runs on the last stage."""
+                      forward_only: bool, route: Optional[Route] = None) -> None:
+        """Megatron's forward(-backward) schedule over this rank's micro-batches; ``loss_fn`` runs on the last stage;
+        ``route`` (routing replay) wraps each forward."""
         from functools import partial
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator).context_shard(self._ps.get_context_parallel_rank(), self.layout.context)
-            return model(**self._model_inputs(mb, model)), partial(loss_fn, mb)
+            chunk = next(i for i, c in enumerate(self.model) if c is model)
+            with route(chunk, mb) if route is not None else nullcontext():
+                output = model(**self._model_inputs(mb, model))
+            return output, partial(loss_fn, mb)
 
         iterators: Any = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iterators, model=self.model,
@@ -210,7 +226,8 @@ class Trainer:
     # --- public API -------------------------------------------------------------------------------------------
 
     def _forward_collect(self, samples: Sequence[TrainSample], width: int,
-                         values_of: Callable[[MicroBatch, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+                         values_of: Callable[[MicroBatch, torch.Tensor], torch.Tensor],
+                         route: Optional[Route] = None) -> list[torch.Tensor]:
         """No-grad forward of ``samples``; ``values_of(mb, logits)`` gives [L, width] values per row position,
         returned per sample in token alignment ([n, width]; row 0, which has no prefix, is zero) on every rank."""
         batch = samples_from(samples)
@@ -232,11 +249,11 @@ class Trainer:
 
         with self._eval_mode():
             self._run_schedule(self._plan(batch).micro_batches[self._ps.get_data_parallel_rank()], collect,
-                               forward_only=True)
+                               forward_only=True, route=route)
         dist.all_reduce(flat)  # exactly one rank per sample wrote its values; the others hold zeros
         return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(batch))]
 
-    def logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+    def logprobs(self, samples: Sequence[TrainSample], route: Optional[Route] = None) -> list[torch.Tensor]:
         """Per-token log-probs of every sample under the current weights (no-grad forward), on every rank.
 
         Aligned with ``tokens``: entry t is log p(tokens[t] | tokens[:t]) at the objective's temperature; entry 0
@@ -244,7 +261,23 @@ class Trainer:
         def values_of(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return self.objective.token_logprobs(logits, mb.labels.to(logits.device))[0]
 
-        return [v[:, 0] for v in self._forward_collect(samples, 1, values_of)]
+        return [v[:, 0] for v in self._forward_collect(samples, 1, values_of, route)]
+
+    def old_policy(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """The old policy of a rollout, before its first step: the samples' :meth:`logprobs` (returned: the
+        ``old_logprobs`` its steps clip against), and with ``rl.routing_replay`` the experts every MoE layer of this
+        rank chose for every token in the same forward, set as each given sample's ``routing`` (host memory) for the
+        steps to replay. Collective, like :meth:`logprobs`."""
+        if self.routing is None:
+            return self.logprobs(samples)
+        batch = [TrainSample(s.tokens, s.loss_mask, s.advantages, s.role, index=s.index) for s in samples_from(samples)]
+        with self.routing.recording([len(s) for s in batch], self.model_cfg.moe_router_topk,
+                                    self._ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+                                    self.backend.device) as recorder:
+            values = self.logprobs(batch, route=recorder.around)
+        for s, routing in zip(samples, recorder.per_sample()):
+            s.routing = routing
+        return values
 
     def reference_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Per-token log-probs of every sample under the reference policy (``rl.kl_coef > 0``), aligned as
@@ -307,8 +340,10 @@ class Trainer:
         self._check(batch)
         missing = [s for s in batch if s.old_logprobs is None]
         if missing:
-            for s, values in zip(missing, self.logprobs(missing)):
+            for s, values in zip(missing, self.old_policy(missing)):
                 s.old_logprobs = values
+        if self.routing is not None:
+            self._check_routing(batch)
         without_ref = [s for s in batch if s.ref_logprobs is None] if self.reference is not None else []
         if without_ref:
             for s, values in zip(without_ref, self.reference_logprobs(without_ref)):
@@ -369,8 +404,13 @@ class Trainer:
         self.optimizer.zero_grad()
         if self.model_cfg.num_experts:
             compat.reset_moe_metrics()  # process-global: another model may have sized or filled it
-        with compat.moe_aux_loss_scaled(self.config, len(micro_batches) / aux_micro_batches):
-            self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        drift = torch.zeros(2, dtype=torch.float64)  # routing replay: tokens whose router now picks others, tokens
+        with compat.moe_aux_loss_scaled(self.config, len(micro_batches) / aux_micro_batches), \
+                self.routing.replaying() if self.routing is not None else nullcontext() as counted:
+            self._run_schedule(micro_batches, loss_fn, forward_only=False,
+                               route=None if self.routing is None else self.routing.around)
+            if counted is not None:
+                drift += counted()
         updated, grad_norm = False, None  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)
         if self._gradients_finite():
             updated, grad_norm, _ = self.optimizer.step()  # itself skips a norm overflow (norm_overflow_skip)
@@ -408,7 +448,26 @@ class Trainer:
                             for r, role in enumerate(ROLES) if kl_sums[2 * r + 1] > 0})
         if aux is not None:
             metrics["moe_load_balancing_loss"] = aux
+        if self.routing is not None:  # over (token, MoE layer) pairs of the step's forwards, all ranks
+            dist.all_reduce(drift)
+            metrics["routing_replay_drift"] = float(drift[0] / drift[1]) if drift[1] > 0 else 0.0
         return StepResult(step=self.step, updated=bool(updated), metrics=metrics)
+
+    def _check_routing(self, batch: Sequence[TrainSample]) -> None:
+        """Under routing replay every sample carries the routing its old log-probs were taken with, of this rank's
+        MoE layers."""
+        assert self.routing is not None
+        shape = (self.routing.num_layers, self.model_cfg.moe_router_topk)
+        for s in batch:
+            if s.routing is None:
+                raise BatchError(f"sample {s.index}: old_logprobs given without routing while rl.routing_replay is on: "
+                                 "take both in one forward with Trainer.old_policy (or leave old_logprobs None for "
+                                 "the step to take them)")
+            if tuple(s.routing.shape[1:]) != shape or int(s.routing.max()) >= self.model_cfg.num_experts:
+                raise BatchError(f"sample {s.index}: routing of shape {tuple(s.routing.shape)} (max "
+                                 f"{int(s.routing.max())}) is not [tokens, {shape[0]} MoE layers of this rank, "
+                                 f"top-{shape[1]}] expert indices below {self.model_cfg.num_experts}: it was recorded "
+                                 "by another model or layout")
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of this step is finite, and (where Megatron's step does not judge it itself,
@@ -498,7 +557,7 @@ class Trainer:
         RotaryEmbedding.forward.cache_clear()
         release(self.groups)
         self.model = []
-        self.optimizer = self.scheduler = self.reference = None
+        self.optimizer = self.scheduler = self.reference = self.routing = None
 
     def load(self, path: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint written by any layout (a step folder, or a root: its newest complete step);

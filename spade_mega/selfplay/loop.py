@@ -737,7 +737,8 @@ class SelfPlay:
             trainer.scheduler.step(increment=planned - trainer.scheduler.num_steps)
         started = time.perf_counter()
         gaps = []
-        for sample, values in zip(samples, trainer.logprobs(samples)):
+        # rl.routing_replay: the same forward records each token's experts, which every step of the rollout replays
+        for sample, values in zip(samples, trainer.old_policy(samples)):
             sample.old_logprobs = values
             if sample.role == "agent":  # played this rollout with the weights the trainer holds now
                 gaps.append((values - sample.rollout_logprobs)[sample.loss_mask].abs())

@@ -1,0 +1,128 @@
+"""MoE routing replay (rl.routing_replay): the old-policy pass records every MoE layer's experts per token, and the
+train steps' forward and backward recompute use them, whatever rows the steps pack the samples into; EP2, TP2+SP (with
+the fused log-prob kernels) and CP2 replay the same routing and take the same steps as one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_launch import read_json, run_worker
+
+from spade_mega.config.errors import ConfigError
+from spade_mega.config.loader import apply_overrides, build, to_dict
+from spade_mega.config.schema import SpadeConfig
+from spade_mega.megatron.batch import BatchError, TrainSample, pack, samples_from
+
+WORKER = Path(__file__).with_name("routing_worker.py")
+# a large learning rate: one step changes which experts the router picks for many tokens
+LARGE_STEP = ["optimizer.lr=3e-3"]
+LAYOUTS = {
+    "ep2": (2, ["parallel.expert=2"]),
+    "tp2_sp": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "kernels.enabled=true"]),
+    # two CP ranks share a row: half the budget keeps one sample a row (the load-balancing loss is per row)
+    "cp2": (2, ["parallel.context=2", "parallel.max_tokens_per_gpu=9", "--pass-budget", "40"]),
+}
+COMPARED = ("loss", "pg_loss", "clip_frac", "approx_kl", "grad_norm", "moe_load_balancing_loss",
+            "routing_replay_drift")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("routing_replay")
+    run_worker(1, "replay", out, "--tag", "ref", "parallel.recompute=full", *LARGE_STEP, worker=WORKER)
+    return out
+
+
+def test_steps_replay_the_old_policy_routing_token_by_token(one_process: Path) -> None:
+    """Forward and full recompute of both steps route every token of every row (samples repacked from one row of six
+    into a row each, in a shuffled order) to the experts of the first pass, although after step 1 the router picks
+    others for many tokens: without replay the steps' routing would differ."""
+    got = read_json(one_process / "ref.json")
+    assert got["order"] != sorted(got["order"]), "the steps must see the samples in another order"
+    assert set(got["calls"]) == {"step1_forward", "step1_recompute", "step2_forward", "step2_recompute"}
+    for name, agree in got["calls"].items():
+        assert len(agree) == 2 * 6 and all(agree), f"{name}: rows routed otherwise than recorded: {agree}"
+    first, moved = torch.load(one_process / "ref_routing.pt")
+    changed = (first.sort(-1).values != moved.sort(-1).values).any(-1).float().mean()
+    assert changed > 0.05, f"the step moved the router too little to test replay ({changed:.3f} of tokens x layers)"
+    assert got["routing_dtype"] == "torch.uint8"  # 4 experts: one byte an index
+
+
+def test_first_step_ratio_is_exactly_one_and_drift_is_reported(one_process: Path) -> None:
+    got = read_json(one_process / "ref.json")
+    assert got["step1"]["approx_kl"] == 0.0 and got["step1"]["clip_frac"] == 0.0
+    assert got["step1"]["routing_replay_drift"] == 0.0
+    # step 2's router disagrees with the replayed experts on a share of the (token, layer) pairs
+    assert 0.05 < got["step2"]["routing_replay_drift"] < 1.0
+    assert got["step2"]["approx_kl"] > 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_replay_like_one_process(one_process: Path, layout: str) -> None:
+    """The record pass (six samples in one row split over data-parallel, sequence-parallel or context-parallel
+    ranks, reduced over them) gives every rank the whole batch's routing; the replayed steps and the weights after
+    them equal one process's."""
+    nproc, overrides = LAYOUTS[layout]
+    run_worker(nproc, "replay", one_process, "--tag", layout, "--load", str(one_process / "init"), *LARGE_STEP,
+               *overrides, worker=WORKER)
+    want, got = read_json(one_process / "ref.json"), read_json(one_process / f"{layout}.json")
+    assert torch.equal(torch.load(one_process / f"{layout}_routing.pt"), torch.load(one_process / "ref_routing.pt"))
+    for step in ("step1", "step2"):
+        for key in COMPARED:
+            err = abs(got[step][key] - want[step][key]) / max(abs(want[step][key]), 1e-12)
+            assert err < 1e-5 or abs(got[step][key] - want[step][key]) < 1e-9, \
+                f"{layout} {step}: {key} = {got[step][key]!r}, one process {want[step][key]!r}"
+    after, ref = torch.load(one_process / f"{layout}_after.pt"), torch.load(one_process / "ref_after.pt")
+    assert float((after - ref).abs().max()) < 1e-4, f"{layout}: log-probs after the steps differ"
+
+
+def _cfg(*overrides: str) -> SpadeConfig:
+    return build(SpadeConfig, apply_overrides(to_dict(SpadeConfig()), list(overrides)))
+
+
+def test_dense_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"rl\.routing_replay.*mixture-of-experts"):
+        _cfg("rl.routing_replay=true", "model.num_experts=0").check()
+    _cfg("rl.routing_replay=true").check()
+
+
+def test_samples_with_old_logprobs_but_no_routing_are_refused(one_process: Path) -> None:
+    message = read_json(one_process / "ref.json")["unrouted"]
+    assert "sample 0: old_logprobs given without routing while rl.routing_replay is on" in message
+    assert "Trainer.old_policy" in message
+
+
+def _sample(n: int, routing: object = None, index: int = 0) -> TrainSample:
+    return TrainSample(torch.arange(n), torch.arange(n) > 0, torch.ones(n), index=index, routing=routing)
+
+
+def test_routing_is_packed_token_aligned_with_padding_marked() -> None:
+    """Each sample's routing rows land at its tokens' own row positions (not shifted like the labels), padding is -1
+    (the router's own choice), and a context-parallel shard takes its positions' rows."""
+    a = _sample(5, torch.arange(5 * 2 * 3).reshape(5, 2, 3).to(torch.uint8), index=0)
+    b = _sample(3, 100 + torch.arange(3 * 2 * 3).reshape(3, 2, 3).to(torch.uint8), index=1)
+    row = pack([a, b], token_budget=16, context=2, length_multiple=4).micro_batches[0][0]
+    assert row.routing.shape == (1, row.length, 2, 3) and row.routing.dtype == torch.int16
+    assert torch.equal(row.routing[0, :5], a.routing.to(torch.int16))
+    assert torch.equal(row.routing[0, 8:11], b.routing.to(torch.int16))  # a's segment padded to 8 (2 x CP2)
+    padding = row.sample_ids[0] < 0
+    assert padding.any() and bool((row.routing[0][padding] == -1).all())
+    shard = row.context_shard(1, 2)
+    assert torch.equal(shard.routing[0], row.routing[0, shard.row_index])
+
+
+def test_routing_must_fit_its_sample_and_its_batch() -> None:
+    with pytest.raises(BatchError, match=r"sample 0: routing must be integer expert indices \[tokens \(4\)"):
+        _sample(4, torch.zeros(3, 2, 2, dtype=torch.long))
+    with pytest.raises(BatchError, match="routing must be integer"):
+        _sample(4, torch.zeros(4, 2, 2))
+    routed, unrouted = _sample(4, torch.zeros(4, 2, 2, dtype=torch.long)), _sample(4, index=1)
+    with pytest.raises(BatchError, match="sample 1: routing missing while other samples of the batch have it"):
+        pack([routed, unrouted], token_budget=16)
+    other = _sample(4, torch.zeros(4, 3, 2, dtype=torch.long), index=1)
+    with pytest.raises(BatchError, match="routing of different shapes"):
+        pack([routed, other], token_budget=16)
+    assert torch.equal(samples_from([routed])[0].routing, routed.routing)
