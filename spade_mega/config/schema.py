@@ -82,6 +82,11 @@ class ParallelConfig:
     max_tokens_per_gpu: int = 32768  # one micro-batch row; holds a whole sample (up to rollout.max_context_tokens)
     # how long a rank waits in a collective: the others wait in one while rank 0 rolls out or evaluates
     collective_timeout_min: float = 120.0
+    # The trainer's parameters and optimizer state moved to host memory and its gradients freed while the rollout
+    # engine generates, so a colocated engine gets that memory for its KV cache (slime's offload; docs/megatron.md,
+    # "Memory"). auto: on where the engine releases its memory for training on the same GPUs (inference.
+    # release_memory resolved) and a CUDA device is present; true forces it (also on CPU, as the tests run it).
+    offload_trainer: Literal["auto", True, False] = "auto"
 
     def check(self) -> None:
         _positive("parallel", self, "tensor", "expert", "expert_tensor", "pipeline", "virtual_pipeline",

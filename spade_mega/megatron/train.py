@@ -44,6 +44,7 @@ from spade_mega.megatron.batch import (
     samples_from,
 )
 from spade_mega.megatron.objective import Objective, select_objective
+from spade_mega.megatron.offload import TrainerOffload
 from spade_mega.megatron.parallel import ParallelLayout, init_distributed, initialize, release, resolve_layout
 from spade_mega.megatron.providers import (
     Backend,
@@ -136,6 +137,8 @@ class Trainer:
         # rl.kl_coef > 0: the reference policy's weights, held in host memory (reference.py); unless a reference is
         # loaded first (reference.prepare_reference), the weights of the first step
         self.reference: Optional[ReferencePolicy] = ReferencePolicy(self) if cfg.rl.kl_coef > 0 else None
+        # parallel.offload_trainer: its device memory released while a colocated engine generates (offload.py)
+        self.offloader: Optional[TrainerOffload] = TrainerOffload(self)
         # rl.routing_replay: the old policy's experts replayed in the steps (routing.py)
         self.routing: Optional[RoutingReplay] = None
         if cfg.rl.routing_replay:
@@ -207,6 +210,7 @@ class Trainer:
                 output = model(**self._model_inputs(mb, model))
             return output, partial(loss_fn, mb)
 
+        self.offloader.check_loaded("a forward")
         iterators: Any = [iter(micro_batches) for _ in self.model] if len(self.model) > 1 else iter(micro_batches)
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iterators, model=self.model,
                                     num_microbatches=len(micro_batches), seq_length=micro_batches[0].length,
@@ -505,6 +509,7 @@ class Trainer:
         the background writer; the checkpoint exists only after :meth:`finish_save` (checkpoint.PendingSave)."""
         from spade_mega.megatron.checkpoint import save_checkpoint, start_async_save
 
+        self.offloader.check_loaded("a save")
         self.finish_save(wait=True)
         if background:
             self.pending_save = start_async_save(self, root, keep=keep, tokenizer_assumed_for=tokenizer_assumed_for)
@@ -556,6 +561,7 @@ class Trainer:
 
         RotaryEmbedding.forward.cache_clear()
         release(self.groups)
+        self.offloader = None  # and its host copies
         self.model = []
         self.optimizer = self.scheduler = self.reference = self.routing = None
 
@@ -564,4 +570,5 @@ class Trainer:
         ``weights_only`` skips the optimizer state (exports, evaluation)."""
         from spade_mega.megatron.checkpoint import load_checkpoint
 
+        self.offloader.check_loaded("a load")
         return load_checkpoint(self, path, weights_only=weights_only)

@@ -60,6 +60,7 @@ from spade_mega.errors import SpadeError
 from spade_mega.envs.sandbox import SandboxPool
 from spade_mega.megatron.batch import TrainSample
 from spade_mega.megatron.checkpoint import CheckpointError
+from spade_mega.megatron.offload import offloads_trainer
 from spade_mega.megatron.parallel import init_distributed
 from spade_mega.megatron.reference import check_reference
 from spade_mega.megatron.train import StepResult, Trainer
@@ -556,6 +557,10 @@ class SelfPlay:
         self.on_disk: Optional[int] = None  # the trainer step whose checkpoint this run saved or resumed from last
         self.served = 0  # the weight version the engine serves: the trainer step of the last update sent to it
         self.reference: Optional[str] = None  # the step folder of a checkpoint root named in rl.reference
+        from spade_mega.inference import releases_memory
+
+        # parallel.offload_trainer: the trainer's memory released while the engine generates (_offload)
+        self.offloading = offloads_trainer(cfg.parallel.offload_trainer, releases_memory(cfg))
 
     def _steps_per_rollout(self) -> int:
         """Optimizer steps planned per rollout: every environment's agent plays and one designer sample per slot (none
@@ -663,6 +668,8 @@ class SelfPlay:
         if checkpoint is None:
             self.served = trainer.step
         sync_weights(trainer, actor.engine if actor is not None else None, self.served)
+        if self.offloading:  # the engine generates first (an evaluation, the first rollout)
+            self._offload(trainer, actor, None)
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
         with RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
@@ -676,6 +683,8 @@ class SelfPlay:
                 began = time.perf_counter()
                 samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
                 values["time/rollout_s"] = time.perf_counter() - began
+                if self.offloading:  # the engine released its memory at the end of the rollout: the trainer's turn
+                    values["time/trainer_reload_s"] = trainer.offloader.reload()
                 train_metrics, updated = self._train(trainer, samples, r)
                 values.update(train_metrics)
                 _from_rank0(lambda: actor.trained(updated), share=False)
@@ -694,6 +703,8 @@ class SelfPlay:
                 elif cfg.selfplay.async_save:  # a background save written on every rank becomes the newest checkpoint
                     with self._saving(metrics, r, values):
                         self._complete_save(trainer, actor, values, wait=False)
+                if self.offloading:  # synced and saved: the engine generates next (an evaluation, the next rollout)
+                    self._offload(trainer, actor, values)
                 values["time/iteration_s"] = time.perf_counter() - began
                 values["train/optimizer_step"] = float(trainer.step)
                 # written, then evaluated (after the save): an evaluation that fails (an engine out of memory on long
@@ -806,8 +817,33 @@ class SelfPlay:
         took = _from_rank0(lambda: resume("weights"), share=True)
         synced = sync_weights(trainer, engine, trainer.step)
         self.served = synced.version
-        values["time/engine_resume_s"] = took + _from_rank0(lambda: resume("kv_cache"), share=True)
+        if not self.offloading:  # else once the trainer has released its memory (_offload)
+            took += _from_rank0(lambda: resume("kv_cache"), share=True)
+        values["time/engine_resume_s"] = took
         return synced
+
+    def _offload(self, trainer: Trainer, actor: Optional[_Actor], values: Optional[dict[str, float]]) -> None:
+        """``parallel.offload_trainer``: the trainer's parameters and optimizer state moved to host memory and its
+        gradients freed (megatron/offload.py), once the weights are synced and saved; then an engine that released
+        its memory for the step takes its KV cache back, into what the trainer freed (rank 0; its failure raised on
+        every rank). The trainer reloads before the next rollout's training. ``values``: the rollout's metrics
+        (None at the run's start, before the first generation, when the engine holds all its memory still)."""
+        from spade_mega.inference import releases_memory
+
+        done = trainer.offloader.offload()
+        if values is None:
+            return
+        values["time/trainer_offload_s"] = done.seconds
+        values["memory/trainer_offloaded_gb"] = done.nbytes / 1e9  # this rank's (rank 0's in the log)
+        if releases_memory(self.cfg):
+            def resume() -> float:
+                assert actor is not None  # rank 0's
+                started = time.perf_counter()
+                actor.engine.resume_memory("kv_cache")
+                return time.perf_counter() - started
+
+            values["time/engine_resume_s"] = values.get("time/engine_resume_s", 0.0) + \
+                _from_rank0(resume, share=True)
 
     def _evaluation_missing(self, r: int) -> bool:
         """Whether rollout ``r`` was due an evaluation whose scores metrics.jsonl lacks: a job stopped by SIGUSR1 leaves

@@ -1,0 +1,187 @@
+"""parallel.offload_trainer: the trainer's device memory released while the rollout engine generates, restored bit for
+bit before its next training (spade_mega/megatron/offload.py). On CPU (offload_trainer true forces it): the storages
+are released (size 0) during a real rollout's generation, a SelfPlay run with it trains exactly as one without over
+three rollouts and a save/resume, and a trainer's whole state comes back bit for bit; the multi-process check (two
+expert-parallel ranks, the distributed optimizer) is tests/megatron/test_megatron_offload.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_run_resources import _config
+
+from spade_mega.config import load_config
+from spade_mega.config.errors import ConfigError
+from spade_mega.inference.hf import HFEngine
+from spade_mega.megatron import Trainer, TrainSample
+from spade_mega.megatron.offload import offloads_trainer
+from spade_mega.selfplay import loop
+from spade_mega.selfplay.loop import SelfPlay
+from spade_mega.selfplay.state import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny_cpu.yaml"
+# what differs between two runs of the same rollouts: wall-clock figures, and what only the offloading run reports
+VARYING = ("time", "time/", "perf/", "train/tokens_per_s", "train/step_time_s", "memory/trainer_offloaded_gb")
+
+
+def make_batch(seed: int) -> list[TrainSample]:
+    """Six samples of both roles whose advantages and old log-probs make a step move the weights."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate((16, 16, 12, 12, 10, 10)):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[3:n - 1] = True
+        samples.append(TrainSample(torch.randint(0, 512, (n,), generator=g), mask,
+                                   torch.where(mask, torch.tensor((-1.0) ** i * (0.5 + i / 10)), torch.tensor(0.0)),
+                                   role="designer" if i % 3 == 2 else "agent",
+                                   old_logprobs=-6.2 + 0.3 * torch.randn(n, generator=g)))
+    return samples
+
+
+def _distinct_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _state_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every device tensor of the trainer's state by name: parameters, grad buffers, optimizer params and state."""
+    out: dict[str, torch.Tensor] = {}
+    for c, chunk in enumerate(trainer.model):
+        for name, p in chunk.module.named_parameters():
+            out[f"{c}.{name}"] = p
+        for b, buffer in enumerate(chunk.buffers + chunk.expert_parallel_buffers):
+            out[f"{c}.grad_buffer{b}"] = buffer.grad_data
+            if buffer.param_data is not None:
+                out[f"{c}.param_buffer{b}"] = buffer.param_data
+    for o, opt in enumerate(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                out[f"opt{o}.group{g}.{i}"] = p
+                for key, value in opt.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"opt{o}.group{g}.{i}.{key}"] = value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [["model.params_dtype=bfloat16"], ["optimizer.distributed=false"]],
+                         ids=["distributed_bf16_fp32_main_shards", "fp32_params_outside_buffers"])
+def test_offload_releases_every_state_storage_and_reload_restores_it_bit_for_bit(overrides: list[str]) -> None:
+    """After a step (Adam's state exists): offloaded, every parameter, gradient, main parameter and moment has an
+    empty storage and a forward or save is refused by name; reloaded, all equal their values before (gradients zeroed),
+    the views inside the DDP buffers included, and the next step is the one the trainer would have taken."""
+    trainer = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", *overrides]))
+    try:
+        trainer.train_step(make_batch(1))
+        state = _state_tensors(trainer)
+        assert any(".exp_avg_sq" in k for k in state) and any("grad_buffer" in k for k in state)
+        before = {k: v.detach().clone() for k, v in state.items()}
+        assert any(float(v.abs().max()) > 0 for k, v in before.items() if "grad_buffer" in k)  # the step's gradients
+        # each storage once however many tensors view it (a parameter, its DDP buffer, the optimizer's shard of it)
+        kept = _distinct_bytes(v for k, v in state.items() if "grad_buffer" not in k)
+        freed = _distinct_bytes(v for k, v in state.items() if "grad_buffer" in k)
+        done = trainer.offloader.offload()
+        assert trainer.offloader.offloaded
+        assert all(v.untyped_storage().size() == 0 for v in state.values()), \
+            [k for k, v in state.items() if v.untyped_storage().size()]
+        assert (done.copied_nbytes, done.nbytes - done.copied_nbytes) == (kept, freed)
+        with pytest.raises(RuntimeError, match="a forward: the trainer's memory is offloaded"):
+            trainer.logprobs(make_batch(2))
+        with pytest.raises(RuntimeError, match="a save: the trainer's memory is offloaded"):
+            trainer.save("/nonexistent")
+        assert trainer.offloader.reload() > 0 and not trainer.offloader.offloaded
+        for key, value in state.items():
+            want = torch.zeros_like(before[key]) if "grad_buffer" in key else before[key]
+            assert torch.equal(value, want), key
+        reloaded = trainer.train_step(make_batch(2)).metrics
+        assert trainer.offloader.reload() == 0.0  # nothing offloaded: nothing to do
+    finally:
+        trainer.close()
+    twin = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", *overrides]))
+    try:
+        twin.train_step(make_batch(1))
+        straight = twin.train_step(make_batch(2)).metrics
+    finally:
+        twin.close()
+    timing = ("tokens_per_s", "step_time_s")
+    assert {k: v for k, v in reloaded.items() if k not in timing} == \
+        {k: v for k, v in straight.items() if k not in timing}
+
+
+def test_offload_trainer_resolves_as_documented() -> None:
+    assert offloads_trainer(True, False) and not offloads_trainer(False, True)
+    assert offloads_trainer("auto", True) == torch.cuda.is_available()
+    assert not offloads_trainer("auto", False)
+    cfg = load_config(TINY, ["parallel.offload_trainer=true"])
+    assert cfg.parallel.offload_trainer is True
+    with pytest.raises(ConfigError, match="parallel.offload_trainer"):
+        load_config(TINY, ["parallel.offload_trainer=sometimes"])
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    steps: dict[int, dict] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        steps.setdefault(record["step"], {}).update({k: v for k, v in record.items() if not k.startswith(VARYING)})
+    return steps
+
+
+def _checkpoint_tensors(checkpoint: Path, out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_a_run_offloading_the_trainer_trains_as_one_without_and_releases_it_while_generating(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three rollouts (distributed optimizer, Adam's state from the first step on): straight without offloading, and
+    with it stopped after two and resumed. Their metrics and final checkpoints (model and optimizer) are the same bit
+    for bit; every generation of the offloading run (its rollouts' plays, with the engine in the trainer's process)
+    ran with the trainer's parameters, gradients and optimizer state released."""
+    trainers: list[Trainer] = []
+
+    class Recorded(Trainer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    seen: list[tuple[bool, int]] = []  # per generate call: offloaded, live state bytes
+    generate = HFEngine.generate
+
+    def observed(self, requests):
+        if trainers:
+            state = _state_tensors(trainers[-1])
+            seen.append((trainers[-1].offloader.offloaded, sum(v.untyped_storage().size() for v in state.values())))
+        return generate(self, requests)
+
+    monkeypatch.setattr(loop, "Trainer", Recorded)
+    monkeypatch.setattr(HFEngine, "generate", observed)
+
+    def run(name: str, rollouts: int, offload: bool) -> Path:
+        cfg = _config(tmp_path, name)
+        cfg.selfplay.num_rollouts, cfg.selfplay.save_interval, cfg.selfplay.keep_checkpoints = rollouts, 1, None
+        cfg.parallel.offload_trainer = offload
+        SelfPlay(cfg).run()
+        return tmp_path / name
+
+    plain = run("plain", 3, False)
+    assert seen and not any(offloaded for offloaded, _ in seen)
+    seen.clear()
+    run("offloaded", 2, True)
+    offloaded = run("offloaded", 3, True)  # resumed from rollout 2's checkpoint
+    assert len(seen) >= 3 and all(off and live == 0 for off, live in seen), seen
+    a, b = _metrics(plain), _metrics(offloaded)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert a == b, {k: (a[s].get(k), b[s].get(k)) for s in a for k in a[s] | b[s] if a[s].get(k) != b[s].get(k)}
+    records = [json.loads(line) for line in (offloaded / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["memory/trainer_offloaded_gb"] > 0 and r["time/trainer_reload_s"] > 0 for r in records)
+    saved = [_checkpoint_tensors(CheckpointStore(run_dir).latest(), tmp_path / f"{run_dir.name}.pt")
+             for run_dir in (plain, offloaded)]
+    assert saved[0].keys() == saved[1].keys() and any(k.startswith("optimizer.state.exp_avg") for k in saved[0])
+    for key, value in saved[0].items():
+        assert torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor) else value == saved[1][key], key
