@@ -433,7 +433,8 @@ class RLConfig:
         if self.policy_loss == "gspo":
             _require(self.loss_aggregation == "seq-mean-token-mean", "rl.loss_aggregation",
                      f"must be seq-mean-token-mean with rl.policy_loss gspo (each sample's term is its token mean, "
-                     f"each sample weighs the same, as in the GSPO objective), got {self.loss_aggregation}")
+                     f"each sample weighs the same, as in the GSPO objective), got {self.loss_aggregation}; "
+                     "examples/configs/qwen3_30b_a3b_gspo.yaml has all of GSPO's settings")
             _require((self.eps_clip_low, self.eps_clip_high) != (0.2, 0.28), "rl.eps_clip_low",
                      "is left at the PPO defaults (rl.eps_clip_low 0.2, rl.eps_clip_high 0.28) with rl.policy_loss "
                      "gspo, whose per-sample ratio (a geometric mean over the tokens) stays far inside them: it would "
