@@ -126,3 +126,57 @@ def test_routing_must_fit_its_sample_and_its_batch() -> None:
     with pytest.raises(BatchError, match="routing of different shapes"):
         pack([routed, other], token_budget=16)
     assert torch.equal(samples_from([routed])[0].routing, routed.routing)
+
+
+LOOP_SCRIPT = """
+import json, sys
+import torch
+from spade_mega.config.loader import load_config
+from spade_mega.megatron import Trainer
+from spade_mega.selfplay.batch import Trajectory, train_samples
+from spade_mega.selfplay.loop import SelfPlay
+
+cfg = load_config(sys.argv[1], ["rl.routing_replay=true", "optimizer.lr=3e-3", "optimizer.warmup_steps=0",
+                                "rollout.envs_per_rollout=1", "rollout.agent_trajectories_per_env=4",
+                                "selfplay.global_batch_size=2", "rl.loss_aggregation=token-mean"])
+loop = SelfPlay(cfg)
+trainer = Trainer(cfg, total_steps=2)
+g = torch.Generator().manual_seed(0)
+trajectories = [Trajectory(torch.randint(0, 256, (24,), generator=g).tolist(), [0] * 8 + [1] * 16,
+                           [0.0] * 8 + [-5.0] * 16, "agent", float(i % 2), "env0") for i in range(4)]
+samples = train_samples(trajectories, torch.tensor([0.5, -0.5, 0.25, -0.25]))
+step, drifts = trainer.train_step, []
+
+
+def train_step(batch):
+    result = step(batch)
+    drifts.append(result.metrics["routing_replay_drift"])
+    return result
+
+
+trainer.train_step = train_step
+metrics, _ = loop._train(trainer, samples, 1)
+json.dump({"drifts": drifts, "train": metrics["train/routing_replay_drift"],
+           "routed": [list(s.routing.shape) for s in samples]}, open(sys.argv[2], "w"))
+"""
+
+
+def test_the_loop_replays_the_routing_of_its_old_logprob_pass(tmp_path: Path) -> None:
+    """SelfPlay._train records the routing in its old-log-prob pass (with the old log-probs alone every step would be
+    refused) and reports the steps' drift as train/routing_replay_drift: 0 at the first step, not at the second,
+    whose samples the first step's update reached."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, str(root / "examples/configs/tiny_cpu.yaml"), str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["routed"] == [[24, 2, 2]] * 4  # tokens, both MoE layers, top-2
+    assert len(got["drifts"]) == 2 and got["drifts"][0] == 0.0 < got["drifts"][1]
+    assert got["train"] == pytest.approx(sum(got["drifts"]) / 2)
