@@ -118,3 +118,19 @@ def test_close_frees_the_trainers_state_while_its_caller_still_holds_it(tmp_path
     assert [ref() is None for ref in reachable] == [True] * len(reachable)
     trainer.close()  # twice: nothing left to free
     assert trainer.groups and not set(trainer.groups) & set(dist.distributed_c10d._world.pg_map)  # destroyed
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_construction_fails_after_its_model_and_optimizer_releases_them(tmp_path: Path) -> None:
+    # A setting refused once the model, its DDP wrappers and the optimizer are built (the objective's temperature
+    # here) left them and the trainer's process groups alive: a sweep or a notebook going on after the error held
+    # them (the error never returned a trainer whose close() it could call).
+    from spade_mega.config.errors import ConfigError
+    from spade_mega.megatron import Trainer
+
+    cfg = _config(tmp_path, "refused")
+    Trainer(cfg).close()  # what a process keeps once it has built a trainer (see the first test)
+    before = _held()
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        Trainer(cfg, temperature=0.0)
+    _assert_nothing_added(_held(), before)

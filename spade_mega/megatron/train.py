@@ -20,6 +20,7 @@ adds nothing, and its average is taken over the micro-batches holding samples on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -70,6 +71,26 @@ _MEAN_METRICS = ("pg_loss", "clip_frac", "approx_kl")
 _TIS_METRICS = ("tis_ratio_mean", "tis_truncated_frac")
 
 
+def _released_on_failure(init: Callable[..., None]) -> Callable[..., None]:
+    """``Trainer.__init__`` that closes what it built when it fails after building the process groups (a setting
+    refused once the model and optimizer exist, a reference or routing check): a process that goes on after the
+    error (a sweep, a notebook, ``spade-mega eval`` reporting it) kept its groups, model and optimizer otherwise."""
+
+    @functools.wraps(init)
+    def build(self: "Trainer", *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if hasattr(self, "groups"):
+                try:
+                    self.close()
+                except Exception:  # the construction's own error is the one to report
+                    log.exception("releasing a trainer whose construction failed")
+            raise
+
+    return build
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one call of :meth:`Trainer.train_step` did. ``metrics`` are global (identical on every rank)."""
@@ -88,6 +109,7 @@ class Trainer:
     of a decaying learning-rate schedule (default ``cfg.selfplay.num_rollouts``).
     """
 
+    @_released_on_failure
     def __init__(self, cfg: SpadeConfig, *, temperature: Optional[float] = None,
                  total_steps: Optional[int] = None) -> None:
         self.cfg = cfg
@@ -552,8 +574,9 @@ class Trainer:
         groups, are emptied; the groups are destroyed (parallel.release). The trainer then drops its model, optimizer
         and reference: a sweep's ``trainer = Trainer(cfg)`` builds the next one while the name still holds this one."""
         self.finish_save(wait=True)
-        self.config.grad_scale_func = None
-        for chunk in self.model:
+        if hasattr(self, "config"):  # else its construction failed before (_released_on_failure)
+            self.config.grad_scale_func = None
+        for chunk in getattr(self, "model", []):
             chunk.module = None
         if self.model_cfg.num_experts:
             compat.reset_moe_metrics()
