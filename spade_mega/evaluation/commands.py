@@ -71,7 +71,11 @@ def _eval(args: argparse.Namespace) -> int:
         from spade_mega.megatron import Trainer
 
         trainer = Trainer(cfg)
-        step = trainer.load(args.checkpoint, weights_only=True)  # no Adam state: any optimizer kind or layout
+        try:
+            step = trainer.load(args.checkpoint, weights_only=True)  # no Adam state: any optimizer kind or layout
+        except BaseException:
+            trainer.close()
+            raise
         source: dict[str, Any] = {"checkpoint": str(Path(args.checkpoint).absolute()), "step": step}
     else:
         assert folder is not None
@@ -120,6 +124,9 @@ def _eval(args: argparse.Namespace) -> int:
             from spade_mega.bridge import sync_weights
 
             sync_weights(trainer, parts[0] if parts else None, trainer.step)
+            # the engine has the weights: the trainer's model and groups (its memory, on a GPU) go before it generates
+            trainer.close()
+            trainer = None
         if rank != 0:
             return 0
         assert evaluator is not None
@@ -128,6 +135,8 @@ def _eval(args: argparse.Namespace) -> int:
         try:
             for part in reversed(parts):
                 part.close()
+            if trainer is not None:  # the engine failed to start or to take the weights
+                trainer.close()
         finally:  # after its server stopped writing into it
             for own, (fd, lock) in scratch:
                 shutil.rmtree(own, ignore_errors=True)
