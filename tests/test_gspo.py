@@ -218,6 +218,20 @@ def test_one_token_samples_make_gspo_ppo(tis_level: str) -> None:
             assert gspo_m[key].item() == pytest.approx(ppo_m[key].item(), rel=1e-12)
 
 
+def test_on_policy_gspo_is_ppo_with_seq_mean_token_mean() -> None:
+    """At a rollout's first optimizer step the old log-probs are the current ones: every ratio is 1 inside both clip
+    ranges, and GSPO's loss and gradient are PPO's under the same aggregation (the losses part from the second
+    step on, docs/megatron.md)."""
+    b = batch(fresh_seed())
+    lp = logprobs_of(b["logits"], b["tokens"]).detach().requires_grad_(True)
+    old, adv, mask = lp.detach().clone(), b["adv"], b["mask"]
+    gspo, _ = policy_loss(lp, old, adv, mask, GSPO, rollout_logprobs=b["rollout"])
+    ppo, _ = policy_loss(lp, old, adv, mask, replace(GSPO, policy_loss="ppo"), rollout_logprobs=b["rollout"])
+    torch.testing.assert_close(gspo, ppo, rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(torch.autograd.grad(gspo, lp)[0], torch.autograd.grad(ppo, lp)[0], rtol=1e-12,
+                               atol=0.0)
+
+
 def test_longer_samples_differ_from_ppo() -> None:
     """The same inputs under PPO give another loss (its per-token ratios clip token by token): GSPO is not a
     renaming of PPO with seq-mean-token-mean."""
