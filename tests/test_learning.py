@@ -200,8 +200,9 @@ def test_a_listed_program_that_breaks_in_play_stays_in_the_set(tmp_path: Path, m
     actor = _Actor(cfg, tmp_path / "run")
     try:
         with caplog.at_level(logging.WARNING, logger="spade_mega.selfplay"):
-            samples, first = actor.rollout(1)
-            _, second = actor.rollout(2)
+            played = actor.rollout(1)
+            samples, first = played.samples, played.metrics
+            second = actor.rollout(2).metrics
     finally:
         actor.close()
     assert samples == [] and first["agent/failed_episodes"] == 2

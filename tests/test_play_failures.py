@@ -77,11 +77,11 @@ def test_a_program_that_breaks_in_play_is_no_seed_for_the_designer(tmp_path: Pat
     door = EnvProgram(DOOR, "Knock.", "arithmetic")  # the first skill: the one active
     actor, cfg = _actor(tmp_path, monkeypatch, door)
     try:
-        _, metrics = actor.rollout(1)
+        metrics = actor.rollout(1).metrics
         environments = list(actor.environments)
         seeds = actor.memory.seeds(door.skill, 5)
         memory_path = actor.memory.path
-        _, later = actor.rollout(2)
+        later = actor.rollout(2).metrics
     finally:
         actor.close()
     assert metrics["designer/valid_rate"] == 1.0 and metrics["agent/failed_episodes"] == 2
@@ -114,8 +114,8 @@ def test_a_resume_from_before_the_break_finds_the_program_valid_again(tmp_path: 
     door = EnvProgram(source, "Knock.", "arithmetic")
     actor, _ = _actor(tmp_path, monkeypatch, door)
     try:
-        _, first = actor.rollout(1)
-        _, broke = actor.rollout(2)
+        first = actor.rollout(1).metrics
+        broke = actor.rollout(2).metrics
         memory = actor.memory
         assert (first["agent/failed_episodes"], broke["agent/failed_episodes"]) == (0, 2)
         assert memory.get(door.content_hash).status == "invalid"
@@ -159,11 +159,12 @@ def test_a_play_its_program_broke_is_no_measurement_of_the_agent(tmp_path: Path,
     door, mat = EnvProgram(DOOR, "Knock.", "arithmetic"), EnvProgram(MAT, "Knock.", "arithmetic")
     actor, cfg = _actor(tmp_path, monkeypatch, door, [door, mat], ["rollout.envs_per_rollout=2"])
     try:
-        samples, metrics = actor.rollout(1)
-        actor.trained([True] * len(samples))  # the transcript, written
+        played = actor.rollout(1)
+        samples, metrics = played.samples, played.metrics
+        actor.trained(played, [True] * len(samples))  # the transcript, written
         plays = actor.buffer.state_dict()["plays"]
         tracker = actor.trackers.trackers["arithmetic"]
-        records = [r for r in actor.transcript.records if r["kind"] == "episode"]
+        records = [r for r in played.transcript.records if r["kind"] == "episode"]
         with EnvMemory(actor.memory.path, create=False) as memory:
             rows = {r.content_hash: r for r in memory.iter_records()}
     finally:

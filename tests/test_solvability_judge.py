@@ -286,8 +286,9 @@ def test_the_loop_refuses_what_the_judge_refuses_and_counts_its_cost(tmp_path, m
                         lambda cfg, tok: judge(cfg, tok, replies, {"arithmetic": [kept, refused]}))
     actor = _Actor(cfg, tmp_path / "run")
     try:
-        first, metrics = actor.rollout(1)
-        later, _ = actor.rollout(2)  # releases rollout 1's designer samples
+        played = actor.rollout(1)
+        first, metrics = played.samples, played.metrics
+        later = actor.rollout(2).samples  # releases rollout 1's designer samples
         memory_path = actor.memory.path
     finally:
         actor.close()

@@ -238,6 +238,14 @@ class SelfPlayConfig:
     # state is copied to host memory; the checkpoint counts (newest for a resume, for keep_checkpoints) once every
     # rank has written it, checked after each rollout. The last save and a SIGUSR1 stop's save wait for their files.
     async_save: bool = False
+    # One-step off-policy rollouts (slime's train_async, verl's one-step-off-policy): rank 0 generates rollout r+1 in
+    # a background thread while every rank trains on rollout r, so r+1 is sampled from the weights before that
+    # training (one rollout's optimizer steps behind the policy it trains: rollout/policy_lag; truncated importance
+    # sampling corrects it); the new weights reach the engine once r+1 is done. A rollout that is saved, evaluated or
+    # the last is not overlapped with the next (a drain point), so checkpoints and resumes are a synchronous run's.
+    # Needs an engine that keeps its memory while the trainer steps (not inference.release_memory). See
+    # spade_mega/selfplay/loop.py.
+    async_rollouts: bool = False
     # Environment slots the designer left empty (invalid programs) are filled with library programs of the active
     # skills, so the agent always has its envs_per_rollout environments; they never pay a designer. A tiny random
     # model never writes a valid program: without it the demo would train on nothing but designer penalties.
@@ -923,5 +931,18 @@ class SpadeConfig:
         _require(placement != "in_process" or engine == "hf", "launch.engine_placement",
                  f"'in_process' needs rollout.engine 'hf', got {engine!r} (a server engine is 'colocated' or "
                  "'separate')")
+        if self.selfplay.async_rollouts:  # the engine would be asleep (its memory released) while the trainer steps
+            releases = self.inference.release_memory is True or (
+                self.inference.release_memory == "auto" and engine != "hf" and placement in ("auto", "colocated"))
+            _require(not releases, "selfplay.async_rollouts",
+                     "true overlaps the next rollout with the trainer's steps, but the engine servers release their "
+                     "GPU memory while the trainer steps (inference.release_memory "
+                     f"{self.inference.release_memory!r}, launch.engine_placement {placement!r}: colocated servers "
+                     "sleep during training). Put the servers on their own GPUs (launch.engine_placement separate), "
+                     "or keep their memory (inference.release_memory false, if the trainer and the servers both fit "
+                     "on the GPUs), or set selfplay.async_rollouts false")
+            _require(self.parallel.offload_trainer is not True, "parallel.offload_trainer",
+                     "true releases the trainer's memory while the engine generates, but with selfplay.async_rollouts "
+                     "the trainer steps while the engine generates: set it to auto or false")
         _require(not self.launch.requeue or self.run.resume == "auto", "launch.requeue",
                  f"needs run.resume 'auto' (a requeued job resumes from its checkpoint), got {self.run.resume!r}")

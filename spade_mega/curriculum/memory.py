@@ -211,7 +211,9 @@ class EnvMemory:
         self.threshold = near_duplicate_threshold
         self.hasher = MinHasher(num_perm=64, bands=8)
         try:
-            self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            # the loop's background rollout (selfplay.async_rollouts) writes from another thread than the one that
+            # opened it; the loop never lets two threads use it at once
+            self.conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0, check_same_thread=False)
         except sqlite3.DatabaseError as exc:
             raise EnvMemoryError(f"{self.path}: cannot open the memory database ({exc})") from None
         try:

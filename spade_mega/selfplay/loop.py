@@ -27,17 +27,53 @@ One rollout (DESIGN.md, "Data flow of one SPADE iteration"):
 Distributed: every rank builds the trainer; global rank 0 alone owns the engine, the sandbox pool, the memory and
 the rollout, and broadcasts each rollout's samples and metrics, so every rank trains on the same batch. Metrics are
 logged per rollout (the MetricsLogger step is the rollout index).
+
+One-step off-policy (``selfplay.async_rollouts``, slime's train_async, verl's one-step-off-policy): rank 0 plays
+rollout r+1 on a thread of its own while every rank trains on rollout r, then collects it, syncs the weights of
+train(r) into the engine and starts r+2 before train(r+1)::
+
+    rollout(1) [v0] -> start rollout(2) [v0] -> train(1) -> v1 -> wait rollout(2) -> sync v1
+      -> start rollout(3) [v1] -> train(2) -> v2 -> wait rollout(3) -> sync v2 -> ...
+
+- Lag: a rollout played ahead was played by the weights before the training it overlapped. Its behaviour log-probs
+  (TrainSample.rollout_logprobs) are the engine's, so truncated importance sampling corrects the lag; the old
+  log-probs stay the trainer's forward before the rollout's first step. ``rollout/weight_version`` is the version
+  that played it (every transcript record's ``weight_version`` too), ``rollout/policy_lag`` the optimizer steps
+  between it and the weights trained on it (0 in a synchronous run). ``train/rollout_logprob_abs_diff`` compares
+  the same weights, so it is logged at lag 0 only; a lagged rollout logs ``train/offpolicy_logprob_abs_diff``.
+- Drain points: a rollout that is the last, saved (``selfplay.save_interval``) or evaluated (``eval.interval``) is
+  not overlapped with the next (:meth:`SelfPlay._drains`): its weights are synced before its save and evaluation, and
+  the next rollout is played by them, so its checkpoint holds what a synchronous run's holds and a resume from it
+  continues as the uninterrupted run did.
+- Stop: SIGUSR1 is agreed after a rollout's training, as always. With rollout r+1 playing ahead, rollout r is saved
+  at once, without waiting for r+1 (its loop state is the one taken when r+1 started; the engine is not synced: the
+  state records the version the sync would have served), then r+1 is abandoned: its next engine call raises (the
+  call in flight finishes), the loop state is put back and the memory rows it wrote are dropped (its transcript is
+  written only once trained). The resumed run plays r+1 anew, after its sync.
+- Per rollout: what the actor settles once a rollout is trained (transcript, trajectories, advantages) travels in
+  the rollout's own record (:class:`_Played`), so the rollout ahead leaves it alone. The actor's other state
+  (buffer, trackers, scheduler, environments, memory) is only ever changed by the one rollout playing.
+- Threads: the rollout thread only plays (engine, sandbox, memory); every collective stays on the loop's thread,
+  which collects the rollout (its error raised there, on every rank by :func:`_from_rank0`) before any weight sync or
+  evaluation uses the engine, and the actor's ``close`` stops and joins it, so it never outlives the run.
+- Time: ``time/rollout_wait_s`` is how long training waited for its rollout (all of it when not overlapped),
+  ``time/rollout_s`` the rollout's own duration, ``time/iteration_s`` the loop's wall time for the rollout (the wait,
+  training, the sync, the save), ``time/sync_s`` the syncs done in it (with a rollout ahead, the previous weights').
+- Refused for engines that release their memory while the trainer steps (``inference.release_memory``): they would
+  be asleep during the overlap (config check).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import random
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
@@ -154,6 +190,41 @@ def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values)
 
 
+@dataclass
+class _Played:
+    """One rollout as rank 0 played it: what every rank trains on (``samples``, ``metrics``), and what the actor
+    settles once that training is known (the transcript, the trajectories and their advantages). Carried per rollout,
+    so that the rollout ahead (``selfplay.async_rollouts``) playing while this one trains leaves it alone."""
+
+    samples: list[TrainSample]
+    metrics: dict[str, float]
+    transcript: RolloutTranscript
+    trajectories: list[Trajectory]
+    values: Optional[torch.Tensor]
+
+
+class _Abandoned(Exception):
+    """The loop abandoned the rollout ahead (a stop): raised at its next engine call."""
+
+
+class _Abandonable:
+    """The engine as the rollouts call it with ``selfplay.async_rollouts``: a generation asked for once ``abandon`` is
+    set raises :class:`_Abandoned` instead, so an abandoned rollout ends after the engine call in flight rather than
+    playing to its end."""
+
+    def __init__(self, engine: Any, abandon: threading.Event) -> None:
+        self.engine, self.abandon = engine, abandon
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, requests: Sequence[Any]) -> list[Any]:
+        if self.abandon.is_set():
+            raise _Abandoned("the loop abandoned this rollout")
+        return self.engine.generate(requests)
+
+
 class _Actor:
     """Rank 0's side of the loop: engine, sandbox, memory, curriculum, the delayed buffer; produces the samples."""
 
@@ -166,6 +237,14 @@ class _Actor:
         self.cfg, self.run_dir = cfg, run_dir
         self.closing: list[Any] = []
         self.writer = transcripts.BackgroundWriter()
+        # selfplay.async_rollouts: the thread that plays the rollout ahead, which rank 0's loop thread collects (or
+        # abandons: the rollout's engine calls then raise _Abandoned); its torch ops take as many intra-op threads as
+        # the loop's (a new thread would take OpenMP's default), so the engine computes alike on either thread
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="spade-rollout", initializer=torch.set_num_threads,
+                                           initargs=(torch.get_num_threads(),)) \
+            if cfg.selfplay.async_rollouts else None
+        self.abandon = threading.Event()
+        self.ahead: Optional[tuple[int, LoopState, "Future[_Played]"]] = None
         try:
             self.fixed = _fixed_programs(cfg.selfplay.environments)
             tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -182,7 +261,8 @@ class _Actor:
             self.engine = build_engine(cfg, tokenizer)
             self.closing.append(self.engine)
             self.releases_memory = releases_memory(cfg)
-            self.rollouts = Rollout(cfg, self.engine, self.pool, PromptBuilder.from_config(cfg, tokenizer))
+            played_on = self.engine if self.executor is None else _Abandonable(self.engine, self.abandon)
+            self.rollouts = Rollout(cfg, played_on, self.pool, PromptBuilder.from_config(cfg, tokenizer))
             # its suites are read (and checked) now, so a missing data file fails before the first rollout
             self.evaluator = Evaluator(cfg, self.engine, tokenizer, self.pool) \
                 if cfg.eval.interval or cfg.eval.before_train else None
@@ -201,6 +281,9 @@ class _Actor:
 
     def close(self) -> None:
         try:
+            if self.executor is not None:  # a rollout ahead stops at its next engine call: no thread outlives the run
+                self.abandon.set()
+                self.executor.shutdown(wait=True)
             self.writer.wait()
         finally:  # a failed transcript write (raised here) leaves no sandbox worker or engine running
             for part in reversed(self.closing):
@@ -248,30 +331,32 @@ class _Actor:
 
     # --- one rollout ------------------------------------------------------------------------------------------
 
-    def rollout(self, r: int) -> tuple[list[TrainSample], dict[str, float]]:
-        """Play rollout ``r`` (regenerating first when it is due); the samples to train on and the metrics."""
+    def rollout(self, r: int) -> "_Played":
+        """Play rollout ``r`` (regenerating first when it is due): the samples to train on, the metrics, and what
+        :meth:`trained` settles once their training is known."""
+        began = time.perf_counter()
         metrics: dict[str, float] = {}
+        version = self.engine.weight_version  # no sync runs while a rollout plays (SelfPlay._run)
         self.clear_prefix_cache()
-        self.transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
+        transcript = RolloutTranscript(self.cfg, r, self.rollouts.chat.tokenizer)
         if (r - 1) % self.cfg.selfplay.regen_interval == 0 or self.set_stale:
             started = time.perf_counter()
-            metrics.update(self.regenerate(r))
+            metrics.update(self.regenerate(r, transcript))
             metrics["time/regenerate_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        trajectories, play_metrics = self.play(r)
+        trajectories, play_metrics = self.play(r, transcript)
         metrics.update(play_metrics)
         metrics["time/play_s"] = time.perf_counter() - started
         released = self.buffer.release(r, self.trackers)
-        self.transcript.released(released)
+        transcript.released(released)
         trajectories += self.designer_trajectories(released, metrics)
         if self.cfg.rl.filter_zero_std_groups:
             trajectories = self.filter_groups(r, trajectories, metrics)
         samples: list[TrainSample] = []
-        self.settling: tuple[list[Trajectory], Optional[torch.Tensor]] = (trajectories, None)
+        values: Optional[torch.Tensor] = None
         if trajectories:
             values = advantages(trajectories, self.designer_scale, self.cfg.rl, self.cfg.kernels)
             samples = train_samples(trajectories, values)
-            self.settling = (trajectories, values)
         metrics["envs/count"] = float(len(self.environments))
         metrics["envs/designer"] = float(sum(e.origin == "designer" for e in self.environments))
         metrics["envs/library"] = float(sum(e.origin == "library" for e in self.environments))
@@ -285,7 +370,9 @@ class _Actor:
             started = time.perf_counter()
             self.engine.release_memory()
             metrics["time/engine_release_s"] = time.perf_counter() - started
-        return samples, metrics
+        metrics["rollout/weight_version"] = float(version)
+        metrics["time/rollout_s"] = time.perf_counter() - began
+        return _Played(samples, metrics, transcript, trajectories, values)
 
     def filter_groups(self, r: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> list[Trajectory]:
         """``rl.filter_zero_std_groups``: the agent groups whose rewards are all equal marked filtered (not trained
@@ -312,16 +399,60 @@ class _Actor:
         if isinstance(self.engine, PrefixCaching):
             self.engine.clear_prefix_cache()
 
-    def trained(self, updated: Sequence[bool]) -> None:
+    def trained(self, played: "_Played", updated: Sequence[bool]) -> None:
         """The rollout's transcript, once its training is known (``updated[k]``: whether the optimizer step that held
         the rollout's k-th sample was applied), compressed in the background while the weights sync and the next
         rollout plays."""
-        trajectories, values = self.settling
-        if values is not None:
-            self.transcript.settle(trajectories, values, updated)
-        self.writer.submit(self.transcript.write, self.run_dir)
+        if played.values is not None:
+            played.transcript.settle(played.trajectories, played.values, updated)
+        self.writer.submit(played.transcript.write, self.run_dir)
 
-    def regenerate(self, r: int) -> dict[str, float]:
+    # --- the rollout ahead (selfplay.async_rollouts) -----------------------------------------------------------
+
+    def start_ahead(self, r: int) -> None:
+        """Start playing rollout ``r`` on the actor's thread (the loop trains on ``r - 1`` meanwhile), after taking
+        the loop state as rollout ``r - 1`` left it: a stop saves that, not what ``r`` changes."""
+        assert self.ahead is None and self.executor is not None  # one at a time, only with selfplay.async_rollouts
+        before = copy.deepcopy(self.state(r - 1, policy_version=0))  # the version is the loop's to fill in
+        self.ahead = (r, before, self.executor.submit(self.rollout, r))
+
+    def collect_ahead(self) -> "_Played":
+        """The rollout ahead, once played (waiting for it); its error, raised here, on the loop's thread."""
+        assert self.ahead is not None
+        _, _, future = self.ahead
+        try:
+            return future.result()
+        finally:
+            self.ahead = None
+
+    def saved_state(self, rollout: int, policy_version: int) -> LoopState:
+        """What a checkpoint after ``rollout`` saves: the loop state now, or with a rollout ahead (a stop while it
+        plays), the state taken before it started."""
+        if self.ahead is None:
+            return self.state(rollout, policy_version)
+        assert self.ahead[1].rollout == rollout
+        return replace(self.ahead[1], policy_version=policy_version)
+
+    def abandon_ahead(self) -> None:
+        """Stop the rollout ahead at its next engine call (the call in flight finishes), wait for it, and put the
+        loop state back as the rollout before it left it: its memory rows are dropped, its transcript was never
+        written. Nothing if none is ahead."""
+        if self.ahead is None:
+            return
+        r, before, future = self.ahead
+        self.abandon.set()
+        try:
+            future.result()
+        except _Abandoned:
+            pass
+        except Exception as exc:  # the run stops anyway (its checkpoint is saved): say what it was
+            log.warning("rollout %d, abandoned, had failed: %s: %s", r, type(exc).__name__, exc)
+        finally:
+            self.ahead = None
+            self.abandon.clear()
+        self.restore(before)
+
+    def regenerate(self, r: int, transcript: RolloutTranscript) -> dict[str, float]:
         """A new environment set: designer outputs, validated, proposed to memory, queued for their reward."""
         from spade_mega.rollout import DesignerSlot
 
@@ -360,7 +491,7 @@ class _Actor:
                 loss_mask=seq.loss_mask, behaviour_logprobs=seq.behaviour_logprobs, failure=outcome.failure,
                 metadata={"slot": i, "valid": outcome.valid, "rejection": outcome.rejection})
             self.buffer.add(sample)
-            self.transcript.designer_output(outcome, sample, slots[i])
+            transcript.designer_output(outcome, sample, slots[i])
 
         self.environments = []
         seen: set[str] = set()
@@ -430,7 +561,7 @@ class _Actor:
                                        None if report.reason is None else report.reason.value, iteration=r)
         return reports
 
-    def play(self, r: int) -> tuple[list[Trajectory], dict[str, float]]:
+    def play(self, r: int, transcript: RolloutTranscript) -> tuple[list[Trajectory], dict[str, float]]:
         """Every environment's plays; agent trajectories to train on, plays recorded in buffer, memory, trackers. A
         program that breaks in play (a call raises or hangs) leaves the set, marked failed in the buffer (the designer's
         penalty) and invalid in the memory; a listed one (``selfplay.environments``) stays, named in a warning: it is
@@ -453,7 +584,7 @@ class _Actor:
             return [], {}
         batch = self.rollouts.play(plays)
         episodes = batch.episodes
-        self.transcript.episodes(self.environments, episodes)
+        transcript.episodes(self.environments, episodes)
         trajectories, agent_returns, hint_returns, failures, broken, played = [], [], [], 0, 0, 0
         turns: list[float] = []  # of the plays agent/return averages
         regrets, by_skill, failed = [], {}, set()
@@ -556,6 +687,9 @@ class SelfPlay:
         self.store = CheckpointStore(self.run_dir)
         self.on_disk: Optional[int] = None  # the trainer step whose checkpoint this run saved or resumed from last
         self.served = 0  # the weight version the engine serves: the trainer step of the last update sent to it
+        # the version a sync labels the trainer's weights with: the trainer step of the last rollout that changed them
+        self.trained_version = 0
+        self.policy_lag = 0  # trained_version minus the version that played the rollout in training (0: the same)
         self.reference: Optional[str] = None  # the step folder of a checkpoint root named in rl.reference
         from spade_mega.inference import releases_memory
 
@@ -670,6 +804,7 @@ class SelfPlay:
         sync_weights(trainer, actor.engine if actor is not None else None, self.served)
         if self.offloading:  # the engine generates first (an evaluation, the first rollout)
             self._offload(trainer, actor, None)
+        self.trained_version = self.served
         total = cfg.selfplay.num_rollouts
         done, stopped = start, False
         with RunProgress(total, "rollouts", cfg=cfg.logging, start=start) as bar:
@@ -679,20 +814,49 @@ class SelfPlay:
                 log.info("resume: evaluating the checkpoint of rollout %d first (the interrupted job stopped before "
                          "its scores were logged)", start)
                 metrics.log(start, _from_rank0(lambda: actor.evaluate(), share=True))
+            played: Optional[_Played] = None  # rank 0's record of the rollout being trained on
+            unsynced: Optional[bool] = None  # trained while the rollout ahead played: whether a step changed them
+
+            def obtain(r: int) -> tuple[list[TrainSample], dict[str, float]]:  # rank 0
+                nonlocal played
+                started = time.perf_counter()
+                played = actor.collect_ahead() if actor.ahead is not None else actor.rollout(r)
+                played.metrics["time/rollout_wait_s"] = time.perf_counter() - started
+                return played.samples, played.metrics
+
+            def sync(values: dict[str, float], changed: bool) -> None:
+                synced = self._sync(trainer, actor, values, changed=changed)
+                if synced is not None:
+                    self.trained_version = synced.version  # an engine that released its memory: a new label
+                    values["time/sync_s"] += synced.seconds
+                    values["perf/sync_mb_per_s"] = synced.mb_per_s
+
             for r in range(start + 1, total + 1):
                 began = time.perf_counter()
-                samples, values = _from_rank0(lambda: actor.rollout(r), share=True)
-                values["time/rollout_s"] = time.perf_counter() - began
+                samples, values = _from_rank0(lambda: obtain(r), share=True)
+                values["time/sync_s"] = 0.0
+                if unsynced is not None:  # the engine is free again: the weights trained during the rollout ahead
+                    sync(values, unsynced)
+                    unsynced = None
+                ahead = cfg.selfplay.async_rollouts and not self._drains(r)
+                if ahead:  # played by the weights the engine serves now, while the ranks train on r
+                    _from_rank0(lambda: actor.start_ahead(r + 1), share=False)
+                self.policy_lag = self.trained_version - int(values["rollout/weight_version"])
+                values["rollout/policy_lag"] = float(self.policy_lag)
                 if self.offloading:  # the engine released its memory at the end of the rollout: the trainer's turn
                     values["time/trainer_reload_s"] = trainer.offloader.reload()
                 train_metrics, updated = self._train(trainer, samples, r)
                 values.update(train_metrics)
-                _from_rank0(lambda: actor.trained(updated), share=False)
-                synced = self._sync(trainer, actor, values, changed=any(updated))
-                values["time/sync_s"] = 0.0 if synced is None else synced.seconds
-                if synced is not None:
-                    values["perf/sync_mb_per_s"] = synced.mb_per_s
+                if any(updated):
+                    self.trained_version = trainer.step
+                _from_rank0(lambda: actor.trained(played, updated), share=False)
                 stopped = stop.agreed(trainer.backend.device) and r < total
+                if not ahead:
+                    sync(values, any(updated))
+                elif stopped:  # the engine plays the rollout ahead, abandoned once saved: not synced, the job stops
+                    self.served = self.trained_version  # the version the sync would have served
+                else:
+                    unsynced = any(updated)
                 if r % cfg.selfplay.save_interval == 0 or r == total or stopped:
                     started = time.perf_counter()
                     with self._saving(metrics, r, values):
@@ -721,6 +885,8 @@ class SelfPlay:
                     log.warning("SIGUSR1: stopped after rollout %d of %d, checkpoint saved; the same command "
                                 "resumes from it%s", r, total, ", and evaluates it first" if
                                 cfg.eval.interval and r % cfg.eval.interval == 0 else "")
+                    if ahead:  # saved first: the rollout ahead ends at its next engine call, its effects undone
+                        _from_rank0(lambda: actor.abandon_ahead(), share=False)
                     break
         report = None
         if dist.get_rank() == 0:
@@ -728,6 +894,14 @@ class SelfPlay:
 
             report = build_report(self.run_dir).html
         return RunSummary(self.run_dir, start if checkpoint is not None else None, done, report, stopped)
+
+    def _drains(self, r: int) -> bool:
+        """Whether rollout ``r`` is a drain point of ``selfplay.async_rollouts``, not overlapped with the next: the
+        last, one saved (``selfplay.save_interval``) or one evaluated (``eval.interval``). Its checkpoint and
+        evaluation see the weights it trained, synced, and the next rollout is played by them, as in a synchronous
+        run; so a run resumed from that checkpoint continues as the uninterrupted one did."""
+        s, interval = self.cfg.selfplay, self.cfg.eval.interval
+        return r == s.num_rollouts or r % s.save_interval == 0 or bool(interval and r % interval == 0)
 
     def _train(self, trainer: Trainer, samples: list[TrainSample], r: int) -> tuple[dict[str, float], list[bool]]:
         """The rollout's optimizer steps: their metrics, and per sample whether its step was applied (a step whose
@@ -751,7 +925,7 @@ class SelfPlay:
         # rl.routing_replay: the same forward records each token's experts, which every step of the rollout replays
         for sample, values in zip(samples, trainer.old_policy(samples)):
             sample.old_logprobs = values
-            if sample.role == "agent":  # played this rollout with the weights the trainer holds now
+            if sample.role == "agent":  # played this rollout, by the engine's weights policy_lag steps ago
                 gaps.append((values - sample.rollout_logprobs)[sample.loss_mask].abs())
         batches = optimizer_batches(samples, self.cfg.selfplay.global_batch_size,
                                     derive_seed(self.cfg.run.seed, "batch", r))
@@ -778,10 +952,13 @@ class SelfPlay:
             if values:
                 out[f"train/{key}"] = math.fsum(values) if key in _SUMMED else _mean(values)
         out["train/tokens_per_s"] = out["train/tokens"] / max(out["train/step_time_s"], 1e-9)
-        if gaps:  # engine vs trainer log-probs of the same tokens under the same weights: numerics, or a failed sync
+        if gaps:  # engine vs trainer log-probs of the same tokens
             gap = torch.cat(gaps)
-            out["train/rollout_logprob_abs_diff"] = float(gap.mean())
-            out["train/rollout_logprob_abs_diff_max"] = float(gap.max())
+            # under the same weights (lag 0): numerics, or a failed sync; under weights the trainer has since stepped
+            # past (selfplay.async_rollouts): how far the policy moved too, under a name of its own
+            name = "rollout_logprob_abs_diff" if self.policy_lag == 0 else "offpolicy_logprob_abs_diff"
+            out[f"train/{name}"] = float(gap.mean())
+            out[f"train/{name}_max"] = float(gap.max())
         out["time/train_s"] = time.perf_counter() - started
         return out, updated
 
@@ -801,6 +978,7 @@ class SelfPlay:
         from spade_mega.inference import releases_memory
 
         engine = actor.engine if actor is not None else None
+        assert actor is None or actor.ahead is None  # never while the rollout ahead plays on the engine
         if not releases_memory(self.cfg):
             if not changed:
                 return None
@@ -896,7 +1074,8 @@ class SelfPlay:
             assert actor is not None  # rank 0's
             actor.writer.wait()  # the rollout's transcript is on disk before its checkpoint
             try:
-                self.store.write_state(trainer.step, replace(actor.state(r, self.served), reference=self.reference))
+                self.store.write_state(trainer.step, replace(actor.saved_state(r, self.served),
+                                                             reference=self.reference))
             except OSError as exc:  # a full disk fails this small file first
                 raise CheckpointError(f"{self.store.states}: cannot write the loop state of this checkpoint ({exc}); "
                                       "the previous checkpoint stays the newest") from exc
