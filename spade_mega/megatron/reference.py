@@ -4,7 +4,8 @@ the no-grad forward that gives the reference log-probs of a batch (same packing,
 the policy's forward), then exchanged back. Copies are exact, so the policy comes back bit for bit; the optimizer's
 main copies and moments are never touched. Cost: one more copy of the rank's parameter shards in host memory, one
 transient copy of one parameter on the device, one extra forward and two host <-> device copies of the shards per
-optimizer step.
+rollout (the self-play loop's pre-pass, :meth:`Trainer.reference_logprobs_of_steps`; per step for a ``train_step``
+given samples without ``ref_logprobs``).
 
 Which weights (``rl.reference``): ``initial`` is the weights the run starts from, ``inference.hf_weights`` or else the
 seeded initialisation; any other value names a spade-mega checkpoint (a step folder or a root) or a Hugging Face

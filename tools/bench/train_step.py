@@ -125,6 +125,41 @@ def optimizer_passes(trainer: Any, batch: list, rounds: int) -> dict[str, float]
             "removed_pass_s": sorted(removed)[5]}
 
 
+def kl_swaps(trainer: Any, batch: list, rounds: int, per_step: int) -> dict[str, float]:
+    """Seconds a rollout of ``len(batch) / per_step`` optimizer steps spends on the KL reference (rl.kl_coef > 0):
+    swapped in for each step's own forward (the baseline, what each train_step did before the loop's pre-pass) and
+    once for the rollout's (Trainer.reference_logprobs_of_steps); the swaps' copies alone (ReferencePolicy.exchange)
+    and with the forwards. The two alternate, the mean of ``rounds`` each after a warm-up of each."""
+    from spade_mega.megatron.reference import ReferencePolicy
+
+    copying = [0.0]
+    exchange = ReferencePolicy.exchange
+
+    def timed(self: ReferencePolicy) -> None:
+        start = time.perf_counter()
+        exchange(self)
+        copying[0] += time.perf_counter() - start
+
+    ReferencePolicy.exchange = timed  # type: ignore[method-assign]
+    steps = [batch[i:i + per_step] for i in range(0, len(batch), per_step)]
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for k in range(2 * (rounds + 1)):
+        once = k % 2 == 1
+        copying[0] = 0.0
+        start = time.perf_counter()
+        if once:
+            trainer.reference_logprobs_of_steps(steps)
+        else:
+            for step in steps:
+                trainer.reference_logprobs(step)
+        if k >= 2:
+            times[once].append((copying[0], time.perf_counter() - start))
+    ReferencePolicy.exchange = exchange  # type: ignore[method-assign]
+    mean = {once: [sum(t[i] for t in times[once]) / rounds for i in (0, 1)] for once in (False, True)}
+    return {"steps": len(steps), "per_step_swap_s": mean[False][0], "per_step_s": mean[False][1],
+            "per_rollout_swap_s": mean[True][0], "per_rollout_s": mean[True][1]}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -149,6 +184,9 @@ def worker(args: argparse.Namespace) -> None:
         if not trainer._optimizer_skips_overflow:
             raise SystemExit("this megatron-core has no grad_norm_skip_threshold: its step is always two passes")
         print("RESULT " + json.dumps(optimizer_passes(trainer, batch, args.steps)), flush=True)
+        return
+    if args.kl_swaps:
+        print("RESULT " + json.dumps(kl_swaps(trainer, batch, args.steps, per_step=4)), flush=True)
         return
     result = measure(trainer, batch, args.steps)
     if args.mfu:
@@ -192,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mfu", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--passes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kl-swaps", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_intermixed_args(argv)
     if args.worker:
@@ -231,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
           f"megatron-core 0.16's path) {r['two_pass_s']:.3f} s, judged by Megatron's step on its own norm "
           f"{r['one_pass_s']:.3f} s: x{r['two_pass_s'] / r['one_pass_s']:.2f} faster; the pass removed alone "
           f"{1e3 * r['removed_pass_s']:.1f} ms ({100 * r['removed_pass_s'] / r['two_pass_s']:.1f}% of a step)", flush=True)
+    r = launch(1, ["--kl-swaps", "--steps", str(args.steps), "--samples", "16", "--max-len", "32", *WIDE,
+                   "rl.kl_coef=0.1", *impl])
+    print(f"KL reference (rl.kl_coef > 0), one process, ~30M parameters, a rollout of {r['steps']} optimizer steps of "
+          f"4 samples of 8-32 tokens, mean of {args.steps}: swapped in for each step (baseline) "
+          f"{r['per_step_swap_s']:.3f} s of copies ({r['per_step_s']:.3f} s with the forwards), once per rollout "
+          f"{r['per_rollout_swap_s']:.3f} s ({r['per_rollout_s']:.3f} s): "
+          f"x{r['per_step_swap_s'] / r['per_rollout_swap_s']:.2f} less time swapping, "
+          f"x{r['per_step_s'] / r['per_rollout_s']:.2f} for the reference's whole pass", flush=True)
     if not torch.cuda.is_available():
         print("MFU of a one-layer Qwen3-30B-A3B slice: not measured, no CUDA GPU on this machine.")
         return 0
