@@ -90,6 +90,9 @@ SAME = [  # (answer the model boxed, reference)
     ("x! y! = z!", "2x! y! = 2z!"),
     ("x + y = 1", "\\sqrt{2}x + \\sqrt{2}y = \\sqrt{2}"),  # a factor no small fraction: the pairs of points decide
     ("y = \\pi x", "\\frac{y}{\\pi} = x"),
+    # an irrational factor on terms that differ in form: only the values at the test points can tell (_same_ratio)
+    ("(x+1)^2 = y", "\\sqrt{2}x^2 + 2\\sqrt{2}x + \\sqrt{2} = \\sqrt{2}y"),
+    ("\\binom{y}{z}^{2} + \\sin(x z) = x!", "\\sqrt{3}(\\binom{y}{z}^{2} + \\sin(x z)) - \\sqrt{3}x! = 0"),
     # real odd roots; \log is base 10
     ("\\sqrt[3]{-8}", "-2"),
     ("\\sqrt[5]{-32}", "-2"),
@@ -174,6 +177,17 @@ SAME = [  # (answer the model boxed, reference)
     ("x = 2x + 1", "x = -1"),
     ("x = 2x + 1", "x + 1 = 0"),
     ("0 = 0", "0=0"),  # the same text
+    # an equation stating a number (math-verify reads an equation against a bare value as its last side)
+    ("m + n = 25", "25"),  # AIME: "find m + n"
+    ("a+b+c = \\frac{3}{2}", "1.5"),
+    ("3 \\times 4 = 12", "12"),  # a computation that holds states its result
+    ("0 = 0", "0"),
+    # a multiple-choice letter with its option's value (AMC problems in MATH): the letter or the value
+    ("\\textbf{(E)}\\ 12", "12"),
+    ("(E) 12", "\\text{(E)}"),
+    ("\\text{(C) } \\frac{1}{2}", "0.5"),
+    ("\\textbf{(B) } 2\\sqrt{2}", "\\textbf{(B)}\\ \\sqrt{8}"),
+    ("(D) 7", "D"),
     ("\\begin{bmatrix}1&\\sqrt{8}\\\\3&4\\\\\\end{bmatrix}", "\\begin{pmatrix} 1 & 2\\sqrt2 \\\\ 3 & 4 \\end{pmatrix}"),
 ]
 
@@ -244,6 +258,9 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x! y! = z!", "x! y! = 2z!"),
     ("\\binom{x}{y} = z", "\\binom{x}{z} = y"),
     ("x + y = 1", "x + y + 10^{-60}z = 1"),  # a tiny term is no constant factor
+    ("x + y = 1", "x + y + e^{-100}z = 1"),
+    ("(x+1)^2 = y", "\\sqrt{2}x^2 + 2\\sqrt{2}x + \\sqrt{2} = \\sqrt{3}y"),  # two factors: no one constant
+    ("\\binom{y}{z}^{2} + \\sin(x z) = x!", "\\sqrt{3}(\\binom{y}{z}^{2} + \\sin(x y)) - \\sqrt{3}x! = 0"),
     # both sides vanish at two of the three points (x > 0 there): every pair of points compared 0 with 0
     ("|x| = x", "y|x| = xy"),
     ("|x| = x", "(y+1)(|x| - x) = 0"),
@@ -317,6 +334,18 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("x = 2x + 1", "2x + 1"),  # an equation in x, not the value 2x + 1
     ("y = 3y", "3y"),
     ("x = 2x + 1", "x = 1"),
+    ("m + n = 25", "26"),
+    ("m + n = 25", "m"),
+    ("m + n = 25", "25\\%"),
+    ("3 \\times 4 = 13", "13"),  # a false statement states nothing
+    ("3 \\times 4 = 13", "12"),
+    ("x - 5 = 0", "0"),  # an equation with 0 on one side is to be solved: no value
+    ("a + b = 2c", "2c"),  # a side in variables is no value
+    ("(E) 12", "13"),
+    ("(E) 12", "(D)"),
+    ("(E) 12", "(D) 12"),  # the letter is the answer chosen: another option with the same value is not it
+    ("\\textbf{(E)}\\ 12", "D"),
+    ("(E) 12", "(E) 13"),
     ("\\begin{vmatrix} 1 & 2 \\\\ 3 & 4 \\end{vmatrix}", "-2"),  # a determinant is not translated
 ]
 
@@ -417,7 +446,7 @@ def test_what_the_translation_refuses() -> None:
                  "1 2", "x > 3", "\\begin{vmatrix}1\\end{vmatrix}", "a = b = c", "1/0", "0^{-1}",
                  "x" * (MAX_CHARS + 1), "5!!", "x != 3", "(-1)!", "(\\frac{1}{2})!", f"{MAX_FACTORIAL + 1}!",
                  f"\\binom{{{MAX_FACTORIAL + 1}}}{{2}}", "(\\pm 1, 2)", "1, 2\\text{ million}",
-                 "0 = 0", "x = x", "1 + 1 = 2", "0 = 1", "x(x+1) = x^2 + x", "(1, 2\\text{ million})"):
+                 "x = x", "0 = 1", "x(x+1) = x^2 + x", "(1, 2\\text{ million})"):
         assert parse_answer(text) is None, text
     assert parse_answer("5\\text{ thousand}").value == 5000 and parse_answer("5\\text{ thousand}").unit == ""
     assert expression("2\\sqrt{2}") == expression("\\sqrt{8}")

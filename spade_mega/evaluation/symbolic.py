@@ -22,7 +22,9 @@ sign and ``\\mp`` the other; in a list, its two values are two entries), a union
 ``y = 2x + 1`` (``x =``, ``f(x) =``, ``(x, y) =`` or ``x \\in`` before a value is dropped, but ``x = 3`` is not
 ``y = 3``, and ``x = 2x + 1`` is an equation in x, not the value 2x + 1; two equations are the same when their
 ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``, but
-``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``), a trailing percent
+``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``, unless its right
+side is a non-zero number, which it states: ``m + n = 25`` is 25, as math-verify reads it; an equation in numbers
+that holds states its right side, ``3 \\times 4 = 12`` is 12), a trailing percent
 sign (a percentage equals its number with or without the sign, and its number / 100 against a side without one),
 degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` / ``\\mathrm{}`` / ``\\unit{}`` or in plain
 words of two letters or more (``2 cm``, ``3 hours``; words of ``_UNIT_WORDS`` only, ``^2`` / ``^3`` part of the unit;
@@ -34,9 +36,9 @@ dozen}`` 60, never 5), each entry of a tuple, set or list with its own (``(2\\te
 Refused (not translated): words (``\\text{odd}``, ``even``: letters as a product of variables would make anagrams equal;
 other trailing words, ``5\\text{ thousands place}``: a place value), a mixed number that something multiplies
 (``2\\frac{1}{2}x``: 2 x/2 or 5x/2?) or with an improper fraction (``2\\frac{3}{2}``), two numbers side by side,
-``\\pm`` in a tuple (``(\\pm 1, \\pm 2)``: two points or four?), an equation that holds for every value or for none
-(``0 = 0``, ``x = x``, ``1 + 1 = 2``, ``0 = 1``: no relation between variables, so two of them are not one answer; the
-text decides), inequalities and ``!=``, a double factorial ``5!!``,
+``\\pm`` in a tuple (``(\\pm 1, \\pm 2)``: two points or four?), an identity in variables (``x = x``: no relation, so
+two of them are not one answer; the text decides) and a false equation in numbers (``0 = 1``), inequalities and
+``!=``, a double factorial ``5!!``,
 determinants (``vmatrix``), answers over ``MAX_CHARS`` characters, sets, lists and matrices of over ``MAX_ITEMS``
 entries (matched item against item; each ``\\pm`` counts two), a power whose value would have over ``MAX_DIGITS`` digits
 (``9^{9^{9^9}}``, and with an irrational exponent ``e^{e^{e^9}}``, which evalf would need to that many digits), a
@@ -524,8 +526,9 @@ def expression(text: str) -> Any:
 class Answer:
     """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``; the
     two values of a ``\\pm`` expression are a set with ``brackets`` ``\\pm``, spliced into a list holding it), eq
-    (``value`` is lhs - rhs); ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or "";
-    ``variable`` the letter of a leading ``x =``, or "" (``x = 3`` is 3, but not ``y = 3``)."""
+    (``value`` is lhs - rhs; ``stated`` its right side when that is a non-zero number, ``m + n = 25``: 25);
+    ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or ""; ``variable`` the letter of a
+    leading ``x =``, or "" (``x = 3`` is 3, but not ``y = 3``)."""
 
     kind: str
     value: Any = None
@@ -534,6 +537,7 @@ class Answer:
     percent: bool = False
     unit: str = ""
     variable: str = ""
+    stated: Any = None
 
 
 # a unit: \text{ cm}, \mathrm{m} (siunitx's \unit{cm} too), or plain words of two letters or more (2 cm, 3 hours: one
@@ -682,10 +686,14 @@ def _structure(raw: str, top: bool) -> Answer:
     if len(sides) == 2:
         import sympy
 
-        difference = expression(sides[0]) - expression(sides[1])
-        if not difference.free_symbols or _equal(difference, sympy.S.Zero):  # 0 = 0, x = x, 1 + 1 = 2, 0 = 1
+        left, right = expression(sides[0]), expression(sides[1])
+        difference = left - right
+        if not difference.free_symbols and not right.free_symbols and _equal(left, right):
+            return Answer("expr", value=right, percent=percent)  # 3 \times 4 = 12 states 12
+        if not difference.free_symbols or _equal(difference, sympy.S.Zero):  # 0 = 1, x = x, x(x+1) = x^2 + x
             raise Refused("an equation that holds for every value or none")  # no relation: compared as text
-        return Answer("eq", value=difference)
+        stated = right if right.is_number and right != 0 else None  # m + n = 25 states 25; x - 5 = 0 nothing
+        return Answer("eq", value=difference, stated=stated)
     if len(sides) > 2:
         raise Refused("a chain of equations")
     if text.startswith("\\{") and text.endswith("\\}"):
@@ -750,10 +758,14 @@ def _same(a: Answer, b: Answer) -> bool:
         return False  # 5 cm is not 5 m
     if a.variable and b.variable and a.variable != b.variable:  # the line x = 3 is not y = 3, but y = x is x = y
         return a.kind == b.kind == "expr" and _proportional(_equation(a), _equation(b))
-    if a.kind != b.kind:  # x - 3 = 0 is x = 3 (not 3 alone: an equation is no value)
+    if a.kind != b.kind:  # x - 3 = 0 is x = 3 (not 3 alone: an equation is no value, but m + n = 25 states 25)
         named = a if a.kind == "expr" else b
-        return {a.kind, b.kind} == {"eq", "expr"} and bool(named.variable) and not named.percent and \
-            _proportional((b if named is a else a).value, _equation(named))
+        equation = b if named is a else a
+        if {a.kind, b.kind} != {"eq", "expr"} or named.percent:
+            return False
+        if not named.variable:
+            return equation.stated is not None and _equal(equation.stated, named.value)
+        return _proportional(equation.value, _equation(named))
     if a.kind == "expr":
         if a.percent != b.percent:  # 25\% against 25 or against 0.25
             percent, other = (a, b) if a.percent else (b, a)
@@ -790,28 +802,73 @@ def _equation(named: Answer) -> Any:
 def _proportional(a: Any, b: Any) -> bool:
     """Whether the equations ``a = 0`` and ``b = 0`` are the same one scaled: ``a`` is a non-zero constant times
     ``b`` (``2x = 6`` is ``x = 3``, ``y = 2x + 1`` is ``2x - y + 1 = 0``; ``(x - 3)^2 = 0`` is not ``x = 3``, whose
-    solution set it shares: equations are not solved). Tested as ``a(p) b(q) = a(q) b(p)`` for each two of the
-    identity test's points p, q (a / b takes one value at all three), for ``a`` and ``b`` each provably non-zero at
-    two of the points at least (both 0 at two points, every pair would compare 0 with 0: ``|x| = x`` is not
-    ``y|x| = xy``, and ``2|x| = 2x`` is refused with it); an equation in no variable is none. A small fraction
-    ``a / b`` takes at a point is tried first (``_small_ratio``): sympy cancels ``a - 2 b`` as it builds it. Not through
+    solution set it shares: equations are not solved); an equation in no variable is none. First, exactly, term by
+    term (``_term_factor``: ``\\sqrt{3}x + \\sqrt{3}y = \\sqrt{3}`` is ``x + y = 1`` scaled, without evaluating
+    anything). Else by values: ``a`` and ``b`` must each be provably non-zero at two of the identity test's points at
+    least (both 0 at two points, every pair would compare 0 with 0: ``|x| = x`` is not ``y|x| = xy``, and ``2|x| = 2x``
+    is refused with it); a small fraction ``a / b`` takes at a point is tried (``_small_ratio``: sympy cancels ``a - 2
+    b`` as it builds it); then ``a / b`` must take one value at the three points (``_same_ratio``). Not through
     derivatives (``a' b = a b'`` in every variable): those of factorials and binomials are polygamma functions, whose
     evaluation took 1-3 s an equation in three variables."""
     import sympy
 
+    variables = sorted(a.free_symbols | b.free_symbols, key=str)
+    if variables and _term_factor(sympy, a, b, variables) is not None:
+        return True
     if _equal(a, b) or _equal(a, -b):
         return True
-    variables = sorted(a.free_symbols | b.free_symbols, key=str)
     if not variables or len(variables) > len(POINTS[0]) or not all(
             sum(_nonzero_at(sympy, side, {v: sympy.Float(c, PRECISION) for v, c in zip(variables, point)})
                 for point in POINTS) >= 2 for side in (a, b)):
         return False  # each pair of points holds one where a and b are 0: 0 = 0 at every pair (|x| = x, y|x| = xy)
     factor = _small_ratio(sympy, a, b, variables)
     if factor is not None and _equal(a, factor * b):
-        return True  # a = 2 b: sympy cancels a - 2 b as it builds it, where the pairs below take 0.6 s each
-    copies = {v: sympy.Dummy(v.name) for v in variables}  # the variables at the second point
-    pairs = [{**dict(zip(variables, p)), **dict(zip(copies.values(), q))} for p, q in itertools.combinations(POINTS, 2)]
-    return _agree(sympy, a * b.xreplace(copies), a.xreplace(copies) * b, pairs)
+        return True  # a = 2 b: sympy cancels a - 2 b as it builds it
+    return _same_ratio(sympy, a, b, variables)
+
+
+def _term_factor(sympy: Any, a: Any, b: Any, variables: Sequence[Any]) -> Optional[Any]:
+    """The constant ``c`` with ``a = c b`` term by term: the terms of both sums, each split into a constant and a part
+    in the variables, have the same parts, and each of ``a``'s constants is ``c`` times ``b``'s in sympy's canonical
+    form (``\\sqrt{3}/\\sqrt{3}`` is 1 as sympy builds it); None otherwise (the value tests then decide). A proof,
+    not a test: ``a = sum c_k t_k = c sum d_k t_k = c b``."""
+    def terms(side: Any) -> dict[Any, Any]:
+        split: dict[Any, Any] = {}
+        for term in sympy.Add.make_args(side):
+            constant, part = term.as_independent(*variables, as_Add=False)
+            split[part] = split.get(part, 0) + constant
+        return split
+
+    x, y = terms(a), terms(b)
+    if x.keys() != y.keys() or any(value == 0 for value in y.values()):
+        return None
+    ratios = {x[part] / y[part] for part in x}
+    factor = ratios.pop() if len(ratios) == 1 else None
+    return factor if factor is not None and factor.is_number and factor.is_finite and factor != 0 else None
+
+
+def _same_ratio(sympy: Any, a: Any, b: Any, variables: Sequence[Any]) -> bool:
+    """Whether ``a / b`` takes one value at the identity test's points: ``a(p) b(q) = a(q) b(p)`` for each two points
+    where both are finite, to all but 15 of the digits computed. The values are computed once a point to
+    ``2 PRECISION`` digits past the digits of the rationals in ``a`` and ``b`` (up to MAX_CHARS), the precision
+    ``_nonzero_at`` tries, so a term tiny against the rest (``10^{-60} z``) is still told apart. This replaced sympy's
+    strict evaluation of each product difference, which is 0 for proportional sides and so ran to its last digit:
+    about 1 s a pair for an equation of binomials, 1.3 s to 4 s a comparison (measured on the test machine)."""
+    digits = min(sum(_digits(r) for side in (a, b) for r in side.atoms(sympy.Rational)), MAX_CHARS)
+    precision = int(2 * PRECISION + digits)
+    tolerance = sympy.Float(10, precision) ** (15 - precision)
+    values = []
+    try:
+        for point in POINTS:
+            at = {v: sympy.Float(c, precision) for v, c in zip(variables, point)}
+            x, y = a.evalf(precision, subs=at), b.evalf(precision, subs=at)
+            if x.is_number and y.is_number and x.is_finite and y.is_finite:
+                values.append((x, y))
+        pairs = list(itertools.combinations(values, 2))
+        return bool(pairs) and all(abs(xp * yq - xq * yp) <= tolerance * max(abs(xp * yq), abs(xq * yp))
+                                   for (xp, yp), (xq, yq) in pairs)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, RecursionError, AttributeError):
+        return False
 
 
 def _small_ratio(sympy: Any, a: Any, b: Any, variables: Sequence[Any]) -> Optional[Any]:
