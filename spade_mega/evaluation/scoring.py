@@ -17,7 +17,8 @@ completion and *compares* it with the reference answer.
   ``\\leq`` = ``<=``, ``\\varnothing`` = ``\\{\\}``, Unicode ``π``); else symbolically (``symbolic.py``: ``2^{10}`` =
   ``1024``, ``\\sqrt{8}`` = ``2\\sqrt{2}``, ``\\pm 2`` = ``2, -2``, ``5!`` = ``120``, ``x - 3 = 0`` = ``x = 3``, tuples
   element by element, never ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its
-  boxed answer.
+  boxed answer. An option letter with its value (``\\textbf{(E)}\\ 12``, AMC problems in MATH) is that option: it
+  equals the letter or the value, never another letter.
 - ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
   hedge, ``A or B``, nor do two different boxed letters, nor a reply whose last box was cut off), or a reply that is
@@ -60,6 +61,9 @@ _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands
 _VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
 _SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
+# "(E) 12", "\\textbf{(E)}\\ 12", "\\text{(C) } \\frac12": an option's letter, then its value
+_OPTION = re.compile(r"\s*\$?\s*(?:\\(?:textbf|text|mathrm|textrm|mathbf)\s*\{\s*)?\(\s*([A-E])\s*\)\s*\}?"
+                     r"(?:\s|\\[ ,;:]|\\q?quad|~)*(.*?)\s*\$?\s*", re.DOTALL)
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
 
@@ -198,8 +202,24 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
     return (value, "", variable) if unit is None else (value * unit.factor, unit.name, variable)  # 5 thousand: 5000
 
 
+def _option(answer: str) -> Optional[tuple[str, str]]:
+    """A multiple-choice answer as AMC problems in MATH write it: (its letter, the option's value as written, or "")
+    for ``(E) 12``, ``\\textbf{(E)}\\ 12``, ``\\text{(E)}``, ``E``; None for anything else."""
+    found = _OPTION.fullmatch(answer)
+    if found is not None:
+        return found.group(1), found.group(2).strip()
+    letter = _CHOICE.fullmatch(normalise(answer))
+    return (letter.group(1), "") if letter is not None and letter.group(1) in "ABCDE" else None
+
+
 def _same_maths(predicted: str, reference: str) -> bool:
     reference = last_boxed(reference) or reference  # a worked solution (MATH's solution field): its boxed answer
+    x, y = _option(predicted), _option(reference)
+    if x is not None and y is not None:  # (E) 12 is (E) and E, not (D) 12: the letter is the option chosen
+        return x[0] == y[0] and (not x[1] or not y[1] or _same_maths(x[1], y[1]))
+    if x is not None or y is not None:  # (E) 12 against 12: its value
+        value, other = (x[1], reference) if x is not None else (y[1], predicted)  # type: ignore[index]
+        return bool(value) and _same_maths(value, other)
     x, y = _number_and_unit(predicted), _number_and_unit(reference)
     if x is not None and y is not None:
         if (x[1] and y[1] and x[1] != y[1]) or (x[2] and y[2] and x[2] != y[2]):
