@@ -7,10 +7,12 @@ expert-parallel ranks, the distributed optimizer) is tests/megatron/test_megatro
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from test_engine_memory import make_servers  # noqa: F401  (the fixture)
 from test_run_resources import _config
 
 from spade_mega.config import load_config
@@ -185,3 +187,66 @@ def test_a_run_offloading_the_trainer_trains_as_one_without_and_releases_it_whil
     assert saved[0].keys() == saved[1].keys() and any(k.startswith("optimizer.state.exp_avg") for k in saved[0])
     for key, value in saved[0].items():
         assert torch.equal(value, saved[1][key]) if isinstance(value, torch.Tensor) else value == saved[1][key], key
+
+
+TRACED_TRAIN = """
+import sys, urllib.request
+from spade_mega.megatron.offload import TrainerOffload
+from spade_mega.megatron.train import Trainer
+
+def traced(name, method):
+    def call(self, *args, **kwargs):
+        request = urllib.request.Request(f"{sys.argv[1]}/trainer/{name}?rank=0", data=b"{}", method="POST")
+        urllib.request.urlopen(request, timeout=30).read()
+        return method(self, *args, **kwargs)
+    return call
+
+for cls, name in ((Trainer, "logprobs"), (Trainer, "save"), (TrainerOffload, "offload"), (TrainerOffload, "reload")):
+    setattr(cls, name, traced(name, getattr(cls, name)))
+from spade_mega.cli import main
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+@pytest.mark.slow
+def test_with_a_server_engine_the_trainer_offloads_before_the_engine_takes_its_kv_cache_back(
+        tmp_path: Path, make_servers) -> None:
+    """One rank, its engine attached to an SGLang-speaking server that releases its memory: the run offloads the
+    trainer after the first weight sync, before anything generates; each rollout generates, the server releases, the
+    trainer reloads, computes its log-probs, resume(weights) and the weight reload (the trainer still holding them),
+    the save, then the trainer offloads, and only then resume(kv_cache)."""
+    import subprocess
+    import sys
+
+    from sandbox_support import strict_missing
+
+    from spade_mega.inference.server import write_model_folder
+    from spade_mega.tokenizer import byte_tokenizer
+
+    fake = make_servers("sglang", count=1)[0]
+    folder = write_model_folder(tmp_path / "served", load_config(TINY).model, byte_tokenizer())
+    script = tmp_path / "traced_train.py"
+    script.write_text(TRACED_TRAIN)
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    overrides = [f"run.output_dir={tmp_path}", "rollout.engine=sglang", f"inference.server_urls=[{fake.url}]",
+                 f"inference.hf_weights={folder}", "inference.release_memory=true", "parallel.offload_trainer=true",
+                 "selfplay.num_rollouts=2", "selfplay.save_interval=1", "selfplay.global_batch_size=4",
+                 "rollout.envs_per_rollout=1", "rollout.agent_trajectories_per_env=4", "rollout.hint_plays_per_env=0",
+                 "rollout.max_turns=1", "rollout.max_response_tokens=4", "rollout.max_context_tokens=1024",
+                 f"selfplay.environments=[{{path: {ROOT / 'examples' / 'envs' / 'first_char.py'}, hint: h, "
+                 "skill: logic}]", "eval.interval=0", "eval.before_train=false", "logging.tensorboard=false",
+                 "logging.progress=false", "sandbox.warm_workers=1", *isolation]
+    proc = subprocess.run([sys.executable, str(script), fake.url, str(TINY), *overrides], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [e.removesuffix(":0") for e in fake.events if e not in ("info", "flush")]
+    assert events[:2] == ["reload", "trainer:offload"]  # the first sync, then the trainer's memory to the engine
+    rounds = "|".join(events[2:]).split("resume:kv_cache")
+    assert len(rounds) == 3 and rounds[-1] == ""
+    for played in rounds[:2]:
+        calls = [e for e in played.split("|") if e]
+        assert set(calls[:calls.index("release")]) == {"generate"}
+        assert calls[calls.index("release"):] == ["release", "trainer:reload", "trainer:logprobs", "resume:weights",
+                                                  "reload", "trainer:save", "trainer:offload"], calls
+    records = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/trainer_offload_s"] > 0 and r["time/engine_resume_s"] >= 0 for r in records)
