@@ -482,3 +482,21 @@ def test_the_notations_read_as_their_values(p: int, q: int, n: int) -> None:
         assert SCORERS["boxed"](f"\\boxed{{{notation}}}", str(value))[1], notation
         wrong = value + 1 if isinstance(value, int) else f"{-p}, {p + 1}"
         assert not SCORERS["boxed"](f"\\boxed{{{notation}}}", str(wrong))[1], notation
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(-9, 9).filter(bool), min_size=3, max_size=3), st.integers(-20, 20),
+       st.sampled_from(["2", "-\\frac{3}{7}", "\\sqrt{3}", "\\pi", "e"]), st.booleans())
+def test_an_equation_scaled_by_a_constant_is_the_same_one(coefficients: list[int], constant: int, scale: str,
+                                                         grouped: bool) -> None:
+    """``a x + b y + c z = d`` against itself times a constant, term by term (``_term_factor`` decides) or grouped
+    (``k(a x + b y + c z) - k d = 0``: only the values at the test points can), and against itself with ``d + 1``."""
+    a, b, c = coefficients
+    lhs = f"{a}x + {b}y + {c}z".replace("+ -", "- ")
+    if grouped:
+        scaled, wrong = f"{scale}({lhs}) - {scale}({constant}) = 0", f"{scale}({lhs}) - {scale}({constant + 1}) = 0"
+    else:
+        terms = f"{a} \\cdot {scale} x + {b} \\cdot {scale} y + {c} \\cdot {scale} z".replace("+ -", "- ")
+        scaled, wrong = f"{terms} = {constant} \\cdot {scale}", f"{terms} = {constant + 1} \\cdot {scale}"
+    assert SCORERS["boxed"](f"\\boxed{{{lhs} = {constant}}}", scaled)[1], scaled
+    assert not SCORERS["boxed"](f"\\boxed{{{lhs} = {constant}}}", wrong)[1], wrong
