@@ -14,6 +14,8 @@ process-global registry (which would keep every trainer's model alive in a proce
 gives padding rows (-1) the router's own choice and counts, in the forward, the tokens whose own top-k differs from
 the replayed one (``routing_replay_drift``: one top-k over the router's scores, no extra forward).
 
+Imported by the trainer after ``compat.install()`` (it imports megatron-core).
+
 Bookkeeping (:class:`RoutingReplay`): a rank routes the tokens of its share of each row: its context-parallel shard
 (:meth:`MicroBatch.context_shard`), of which under sequence parallelism its tensor-parallel chunk, for the MoE layers
 of its pipeline stage (all its virtual stages). The record pass writes each routed token's experts into one

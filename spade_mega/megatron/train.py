@@ -227,8 +227,9 @@ class Trainer:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
             mb = next(data_iterator).context_shard(self._ps.get_context_parallel_rank(), self.layout.context)
-            chunk = next(i for i, c in enumerate(self.model) if c is model)
-            with route(chunk, mb) if route is not None else nullcontext():
+            routed = nullcontext() if route is None else \
+                route(next(i for i, c in enumerate(self.model) if c is model), mb)
+            with routed:
                 output = model(**self._model_inputs(mb, model))
             return output, partial(loss_fn, mb)
 
