@@ -110,6 +110,14 @@ CHOICE = [
     ("The answer is A or B.", "A", False),  # a hedge names no answer
     ("Answer: (A) and (C)", "A", False),
     ("Answer: C, because the others fail.", "C", True),
+    # a box holding the option's label and its text
+    ("\\boxed{\\textbf{(C)} 12}", "C", True),
+    ("The answer is \\boxed{(C) 5.2 eV}", "C", True),
+    ("\\boxed{C. 5.2 eV}", "C", True),
+    ("\\boxed{C) 5.2 eV}", "C", True),
+    ("\\boxed{(C) 5.2 eV}", "B", False),
+    ("\\boxed{(A) 1.1 eV}, or rather \\boxed{(C) 5.2 eV}", "C", False),  # two letters: a hedge
+    ("\\boxed{A cat}", "A", False),  # an article, not option A
 ]
 
 

@@ -19,7 +19,8 @@ completion and *compares* it with the reference answer.
   element by element, never ``1.414`` = ``\\sqrt{2}``). A reference holding a ``\\boxed{}`` (a worked solution) is its
   boxed answer. An option letter with its value (``\\textbf{(E)}\\ 12``, AMC problems in MATH) is that option: it
   equals the letter or the value, never another letter.
-- ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}``, after ``Answer:`` / ``answer
+- ``choice`` (multiple choice, GPQA-style): the last answer letter A-J: in ``\\boxed{}`` (alone or as the label
+  before its option's text, ``\\boxed{(C) 5.2 eV}``), after ``Answer:`` / ``answer
   is`` (else after ``option is`` / ``choice:``: a bare mention, ``option B is wrong``, names no answer, nor does a
   hedge, ``A or B``, nor do two different boxed letters, nor a reply whose last box was cut off), or a reply that is
   just the letter (``(C)``); compared with the reference letter.
@@ -41,6 +42,7 @@ from spade_mega.evaluation.symbolic import latex_symbols, trailing_unit, unwrap
 
 _ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
+_LABEL = re.compile(r"\(?([A-J])[).:](?=.)")  # "(C)12", "C.5.2EV" (normalised, upper case): an option's label
 
 
 def _choice_phrase(keywords: str) -> re.Pattern[str]:
@@ -235,19 +237,25 @@ def _same_maths(predicted: str, reference: str) -> bool:
     return equivalent(predicted, reference)
 
 
+def _boxed_letter(box: str) -> Optional[str]:
+    """The letter a box names: the letter alone (``C``, ``(C)``), or an option's label before its text (``(C) 5.2
+    eV``, ``\\textbf{(C)} 12``, ``C. 5.2 eV``, ``C) 12``; not ``A cat``, an article)."""
+    text = normalise(box).upper()
+    match = _CHOICE.fullmatch(text) or _LABEL.match(text)
+    return match.group(1) if match else None
+
+
 def choice_letter(text: str) -> Optional[str]:
     """The answer letter a reply ends on (see the module docstring); None if it names none."""
     found = boxed_answers(text)
     if found and found[-1] is None:
         return None  # its last box was cut off: the letter it ends on is unknown (the boxed scorer reads none either)
     boxes = [box for box in found if box is not None]  # only the last could be None
-    letters = {m.group(1) for m in (_CHOICE.fullmatch(normalise(box).upper()) for box in boxes) if m}
+    letters = {letter for letter in map(_boxed_letter, boxes) if letter}
     if len(letters) > 1:
         return None  # \boxed{A} ... \boxed{C} is a hedge, as "A or B" is
-    if boxes:
-        match = _CHOICE.fullmatch(normalise(boxes[-1]).upper())
-        if match:
-            return match.group(1)
+    if boxes and _boxed_letter(boxes[-1]):
+        return _boxed_letter(boxes[-1])
     for phrase in _CHOICE_PHRASES:
         letters = phrase.findall(text)
         if letters:
