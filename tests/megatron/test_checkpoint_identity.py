@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from megatron_launch import run_worker, worker_command, worker_env
+from megatron_launch import worker_command, worker_env
 from megatron_worker import config
 
 from spade_mega.config.loader import to_dict
@@ -26,12 +26,11 @@ STEP1 = "reference/step_00000001"
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved(tmp_path_factory: pytest.TempPathFactory, reference_run) -> Path:
     """A step-0 (model only) and a step-1 (model and Adam state) checkpoint of the worker's model and config, its
     config as a YAML file for the CLI, and two tokenizer folders: a copy of the byte tokenizer, and one with an extra
     special token (another tokenizer, whose ids 0..258 still agree)."""
-    out = tmp_path_factory.mktemp("identity")
-    run_worker(1, "reference", out)
+    out = reference_run(tmp_path_factory.mktemp("identity"))
     (out / "run.yaml").write_text(yaml.safe_dump(to_dict(config([]))))
     byte_tokenizer().save_pretrained(str(out / "byte_copy"))
     other = byte_tokenizer()

@@ -181,14 +181,14 @@ def test_a_root_is_resolved_to_its_newest_complete_checkpoint_even_when_hidden(t
 
 
 def test_non_distributed_optimizer_resumes_in_its_layout_and_a_changed_optimizer_kind_is_named(
-        tmp_path: Path) -> None:
+        tmp_path: Path, reference_run) -> None:
     """optimizer.distributed: false trains; its checkpoint resumes with the uninterrupted run's losses (it failed with
     KeyError 'param_state'). Its optimizer state is Megatron's per-layout format, so loading it with the distributed
     optimizer is refused naming optimizer.distributed, before anything is loaded."""
     from megatron_launch import read_json, run_worker
 
     plain = "optimizer.distributed=false"
-    run_worker(1, "reference", tmp_path)
+    reference_run(tmp_path)
     run_worker(1, "layout", tmp_path, "--tag", "plain", "--continue-run", plain)
     run_worker(1, "resume", tmp_path, "--tag", "resumed", "--load", str(tmp_path / "plain"), plain)
     uninterrupted, resumed = read_json(tmp_path / "plain.json"), read_json(tmp_path / "resumed.json")

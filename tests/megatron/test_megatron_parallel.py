@@ -30,9 +30,8 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("megatron_layouts")
-    run_worker(1, "reference", out)
+def runs(tmp_path_factory: pytest.TempPathFactory, reference_run) -> dict[str, Path]:
+    out = reference_run(tmp_path_factory.mktemp("megatron_layouts"))
     for tag, (nproc, overrides) in LAYOUTS.items():
         extra = ["--continue-run"] if tag == "tp2_ep2" else []
         run_worker(nproc, "layout", out, "--tag", tag, *extra, *overrides)
