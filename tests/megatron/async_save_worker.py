@@ -18,16 +18,13 @@ nothing is asserted here.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import resource
-import sys
 import time
-from pathlib import Path
 from typing import Iterator
 
-from megatron_worker import config, make_batch
+from megatron_worker import config, make_batch, worker_main
 
 import torch
 import torch.distributed as dist
@@ -193,19 +190,5 @@ def scenario_orphan(args) -> None:
     lock.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["equal", "killpending", "orphan"])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--fail-rank", type=int)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args()
-    torch.set_num_threads(1)
-    globals()[f"scenario_{args.scenario}"](args)
-    from spade_mega.megatron.parallel import shutdown
-
-    shutdown()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    worker_main(globals(), lambda parser: parser.add_argument("--fail-rank", type=int))

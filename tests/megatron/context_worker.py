@@ -15,34 +15,16 @@ is padded inside its row segment (and the reference, one process, has no padding
 from __future__ import annotations
 
 import argparse
-import math
-from pathlib import Path
 
-from megatron_worker import VOCAB, config, is_rank0, write_json
+import samples
+from megatron_worker import config, is_rank0, worker_main, write_json
 
 LENGTHS = (14, 11, 10, 7, 6, 5)
+TURNS = ((2, 4), (5, -1))  # a model turn, then an observation at 4, then the second turn
 
 
 def make_batch(seed: int):
-    """Multi-turn samples of both roles; behaviour and old log-probs differ from the policy's (PPO clipping and
-    truncated IS active), advantages of both signs."""
-    import torch
-
-    from spade_mega.megatron import TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, n in enumerate(LENGTHS):
-        tokens = torch.randint(0, VOCAB, (n,), generator=g)
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[2:4] = True  # a model turn, then an observation at 4
-        mask[5:n - 1] = True
-        adv = torch.where(mask, torch.tensor(float((-1) ** i) * (0.5 + i / 10)), torch.tensor(0.0))
-        old = -math.log(VOCAB) + 0.3 * torch.randn(n, generator=g)
-        rollout = old + 0.2 * torch.randn(n, generator=g)
-        samples.append(TrainSample(tokens, mask, adv, role="designer" if i % 3 == 2 else "agent",
-                                   old_logprobs=old, rollout_logprobs=rollout))
-    return samples
+    return samples.make_batch(seed, LENGTHS, TURNS)
 
 
 def scenario_step(args) -> None:
@@ -103,26 +85,12 @@ def scenario_resume(args) -> None:
     write_json(args.out / f"{args.tag}.json", {"second": result.metrics})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["step", "resume"])
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--tag", default="run")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load")
     parser.add_argument("--weights", action="store_true", help="write this rank's (the full) weights after the step")
     parser.add_argument("--resave", action="store_true", help="with --load: save after the step, load --load and "
                         "the saved checkpoint again, log-probs after each")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args()
-
-    import torch
-
-    torch.set_num_threads(1)
-    globals()[f"scenario_{args.scenario}"](args)
-    from spade_mega.megatron.parallel import shutdown
-
-    shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(globals(), options)

@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from megatron_worker import config, is_rank0, make_batch, write_json
+from megatron_worker import config, is_rank0, make_batch, worker_main, write_json
 
 
 def weights(trainer) -> list[torch.Tensor]:
@@ -195,21 +195,11 @@ def scenario_plain(args) -> None:
     write_json(args.out / f"{args.tag}.json", {"step1": trainer.train_step(make_batch(1)).metrics})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["straight", "resumed", "plain"])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tag", default="straight")
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(tag="straight")
     parser.add_argument("--init", default=None)
     parser.add_argument("--load", default=None)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args()
-    torch.set_num_threads(1)
-    {"straight": scenario_straight, "resumed": scenario_resumed, "plain": scenario_plain}[args.scenario](args)
-    from spade_mega.megatron.parallel import shutdown
-
-    shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(globals(), options)

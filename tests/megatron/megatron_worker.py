@@ -27,8 +27,10 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
-VOCAB = 512
+import samples
+from samples import VOCAB
 
 
 def config(overrides: list[str]):
@@ -44,30 +46,14 @@ def config(overrides: list[str]):
 
 
 LENGTHS = (16, 16, 12, 12, 10, 10)
+TURNS = ((3, 6), (8, -1))  # two model turns, an environment observation at 6..7 between them
 
 
 def make_batch(seed: int):
-    """Six multi-turn samples of both roles with behaviour and old log-probs that differ from the policy's, so the
-    PPO ratio, clipping and truncated IS are all active. Lengths come in equal pairs: with the token budget of 18 each
-    sample is a micro-batch of its own in every layout (the MoE load-balancing loss depends on a micro-batch's
-    composition, so layouts are compared on the same compositions)."""
-    import torch
-
-    from spade_mega.megatron import TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, n in enumerate(LENGTHS):
-        tokens = torch.randint(0, VOCAB, (n,), generator=g)
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[3:6] = True  # first model turn
-        mask[8:n - 1] = True  # second model turn, after an environment observation at 6..7
-        adv = torch.where(mask, torch.tensor(float((-1) ** i) * (0.5 + i / 10)), torch.tensor(0.0))
-        old = -math.log(VOCAB) + 0.3 * torch.randn(n, generator=g)
-        rollout = old + 0.2 * torch.randn(n, generator=g)
-        samples.append(TrainSample(tokens, mask, adv, role="designer" if i % 3 == 2 else "agent",
-                                   old_logprobs=old, rollout_logprobs=rollout))
-    return samples
+    """Six samples (samples.make_batch). Lengths come in equal pairs: with the token budget of 18 each sample is a
+    micro-batch of its own in every layout (the MoE load-balancing loss depends on a micro-batch's composition, so
+    layouts are compared on the same compositions)."""
+    return samples.make_batch(seed, LENGTHS, TURNS)
 
 
 def is_rank0() -> bool:
@@ -467,12 +453,34 @@ def scenario_qwen3_30b(args) -> None:
     print(json.dumps(result))
 
 
-def main() -> None:
+def worker_main(scope: dict[str, Any], options: Callable[[argparse.ArgumentParser], object] = lambda parser: None,
+                prepare: Callable[[argparse.Namespace], object] = lambda args: None,
+                without_parallel: Iterable[str] = ()) -> None:
+    """A worker's command line: ``<scenario> [options] [config overrides]``, the scenarios being the
+    ``scenario_<name>`` functions of ``scope`` (the worker's globals()); ``options`` adds the worker's own, --out and
+    --tag are common. The scenario runs on one thread (as the tests' launches: one per process), then the parallel
+    state is shut down, except after the scenarios ``without_parallel`` (which never start it)."""
+    scenarios = {name.removeprefix("scenario_"): fn for name, fn in scope.items() if name.startswith("scenario_")}
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["reference", "layout", "resume", "grpo", "killsave", "schedule", "compat",
-                                             "single", "padding", "qwen3_30b", "models", "skip", "weights"])
+    parser.add_argument("scenario", choices=sorted(scenarios))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tag", default="run")
+    options(parser)
+    parser.add_argument("overrides", nargs="*", help="config overrides: key=value")
+    args = parser.parse_intermixed_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    prepare(args)
+    scenarios[args.scenario](args)
+    if args.scenario not in without_parallel:
+        from spade_mega.megatron.parallel import shutdown
+
+        shutdown()
+
+
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load")
     parser.add_argument("--dump", nargs="*", default=[])
     parser.add_argument("--continue-run", action="store_true")
@@ -482,21 +490,13 @@ def main() -> None:
     parser.add_argument("--advantage", type=float, default=3e38, help="skip: sample 0's advantage in the second step")
     parser.add_argument("--num-samples", type=int, default=None,
                         help="only the first N samples of each batch (an odd count leaves a data-parallel rank short)")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_intermixed_args()
 
-    import torch
 
-    torch.set_num_threads(1)
+def only_first_samples(args: argparse.Namespace) -> None:
     global LENGTHS
     if args.num_samples is not None:
         LENGTHS = LENGTHS[:args.num_samples]
-    globals()[f"scenario_{args.scenario}"](args)
-    if args.scenario != "compat":
-        from spade_mega.megatron.parallel import shutdown
-
-        shutdown()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(globals(), options, only_first_samples, without_parallel=("compat",)))
