@@ -141,6 +141,50 @@ def test_a_stopped_server_takes_its_temporary_log_along(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("spade-vllm-*.log"))
 
 
+# a server that leaves a unix socket and a lock file in its temporary folder, as vLLM does (its ZMQ IPC sockets,
+# its per-weight-folder locks) and does not remove when it is killed
+_LITTERING_SERVER = """
+import http.server, os, socket, sys, tempfile, uuid
+s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(tempfile.gettempdir(), str(uuid.uuid4())))
+open(os.path.join(tempfile.gettempdir(), 'model-folder.lock'), 'w').close()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header('Content-Length', '0'); self.end_headers()
+http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_started_server_leaves_nothing_in_the_temporary_folder_even_killed(monkeypatch):
+    """A started server gets a TMPDIR of its own, removed when it stops, also after a kill -9 and a restart:
+    vLLM's sockets and locks piled up by the thousand in a shared node's /tmp."""
+    import signal
+
+    from spade_mega.inference.server import free_port
+
+    # the run's temporary folder, as TMPDIR gives it to this process and its children (short: a unix socket's path
+    # is at most 107 bytes, tmp_path's is longer)
+    scratch = Path(tempfile.mkdtemp(prefix="run-"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    port = free_port()
+    server = Server.start("vLLM", [sys.executable, "-c", _LITTERING_SERVER, str(port)], port=port,
+                          health_path="/health", timeout_s=30)
+    try:
+        runtime = server.runtime_dir
+        assert runtime is not None and runtime.parent == scratch
+        litter = {p.name for p in runtime.iterdir()}
+        assert "model-folder.lock" in litter and len(litter) == 2  # the server wrote into its own folder
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        server.restart("/health", 30, "killed by the test")
+        assert {p.name for p in runtime.iterdir()}.isdisjoint(litter - {"model-folder.lock"})  # the dead one's went
+        server.stop()
+        assert list(scratch.iterdir()) == []  # its log (temporary) and its folder went with it
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 # ---- SGLang: request/response translation only (SGLang needs CUDA: no server runs here) ----------------------------
 
 
@@ -399,8 +443,9 @@ def test_ctrl_c_during_generate_does_not_wait_for_the_completions_in_flight(mode
     engine = SGLangEngine([Server("SGLang", f"http://127.0.0.1:{httpd.server_address[1]}")], model_folder,
                           eos_token_id=EOS, request_timeout_s=60)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # what Ctrl-C sends
-    # Python's own Ctrl-C handling, whatever an earlier test in this process left installed (in one fresh-clone CI
-    # run of the whole suite the SIGINT came and went without a KeyboardInterrupt; alone it passes)
+    # Python's own Ctrl-C handling, whatever this process inherited: a pytest started as a background job of a
+    # script (`make test > log &`: no job control) starts with SIGINT ignored, which Python keeps (SIG_IGN), and the
+    # SIGINT came and went without a KeyboardInterrupt (the 15 s reply arrived instead) in one fresh-clone CI run
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         start = time.monotonic()
@@ -891,15 +936,22 @@ def test_a_server_eval_starts_scores_the_checkpoint_named_and_writes_nothing_int
         pytest.skip(reason)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.delenv("SPADE_ENGINE_URLS", raising=False)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # the temporary folder (TMPDIR) of this process and of the server: short, a unix socket's path has 107 bytes
+    scratch = Path(tempfile.mkdtemp(prefix="run-"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    result = evaluate(tmp_path, a_suite, "rollout.engine=vllm", f"inference.server_python={python}",
-                      "inference.startup_timeout_s=400", "inference.server_args=[--max-num-seqs, '16', --block-size, "
-                      "'32']", "--checkpoint", str(checkpoints["a"]))
-    assert accuracy(result) == 1.0
-    assert [p.name for p in tmp_path.rglob("*") if p.name in ("engine-model", "vllm-server.log")] == []
-    assert [p for p in scratch.iterdir() if p.name.startswith("spade-eval-")] == []  # its own folder went with it
+    try:
+        result = evaluate(tmp_path, a_suite, "rollout.engine=vllm", f"inference.server_python={python}",
+                          "inference.startup_timeout_s=400", "inference.server_args=[--max-num-seqs, '16', "
+                          "--block-size, '32']", "--checkpoint", str(checkpoints["a"]))
+        assert accuracy(result) == 1.0
+        assert [p.name for p in tmp_path.rglob("*") if p.name in ("engine-model", "vllm-server.log")] == []
+        # its own folder went with it, and the server left nothing (vLLM's IPC sockets, its weight folders' locks);
+        # wandb's media folders are this process's, made when the eval imported it, removed when it exits
+        assert sorted(p.name for p in scratch.iterdir() if not p.name.endswith(("wandb-media", "wandb-artifacts"))) \
+            == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.mark.engine

@@ -102,25 +102,30 @@ def _error_message(body: bytes) -> str:
     return text[:500]
 
 
-def _terminate_group(process: subprocess.Popen, grace_s: float) -> None:
+def _terminate_group(process: subprocess.Popen, grace_s: float, runtime_dir: Optional[Path] = None) -> None:
     """SIGTERM the server's process group, SIGKILL what is left of it after ``grace_s``; the group is the one we
     created for it. The whole group, even when the server itself has exited: its workers (vLLM's engine core, TP
     ranks) outlive a server that crashed or was OOM-killed. The group's id stays the server's pid while any member
-    lives (Linux reuses neither), so signalling it never reaches another process."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:  # nobody left in the group
-            process.poll()
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            process.poll()  # reaps the server: a zombie leader would keep the group "alive"
+    lives (Linux reuses neither), so signalling it never reaches another process. Then ``runtime_dir`` (the
+    server's TMPDIR) goes, whatever the group left in it."""
+    try:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:  # nobody left in the group
+                process.poll()
                 return
-            time.sleep(0.05)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                process.poll()  # reaps the server: a zombie leader would keep the group "alive"
+                try:
+                    os.killpg(process.pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.05)
+    finally:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
 _spawner: Optional[ThreadPoolExecutor] = None
@@ -169,6 +174,7 @@ class Server:
         self._argv: list[str] = []  # what was started, to start it again
         self._env: Optional[dict[str, str]] = None
         self._own_log = False
+        self.runtime_dir: Optional[Path] = None  # a started server's TMPDIR (see start)
         # a server left running by an engine nobody closed still goes when the interpreter exits
         self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
         self.incarnation = 0  # restarts so far: a request that failed on an earlier one is simply redone
@@ -181,7 +187,12 @@ class Server:
     @classmethod
     def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
               env: Optional[Mapping[str, str]] = None, log_path: Optional[Path] = None) -> "Server":
-        """Start ``command`` (which must serve on 127.0.0.1:``port``) and wait until ``health_path`` answers 200."""
+        """Start ``command`` (which must serve on 127.0.0.1:``port``) and wait until ``health_path`` answers 200.
+
+        The server's TMPDIR is a folder of its own, removed when it stops: vLLM leaves its ZMQ IPC sockets and its
+        per-model-folder file locks in the temporary folder (a unix socket per request queue, a lock per weight
+        folder loaded), and a killed server (kill -9, OOM) or an engine core ended by a SIGTERM removes none of them:
+        on a shared node's /tmp they piled up by the thousand."""
         own_log = log_path is None  # a temporary log goes with the server (errors quote its tail first)
         if log_path is None:
             handle, raw = tempfile.mkstemp(prefix=f"spade-{name.lower()}-", suffix=".log")
@@ -190,10 +201,12 @@ class Server:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         server = cls(name, f"http://127.0.0.1:{port}", None, log_path)
         server.command, server._argv, server._own_log = " ".join(command), list(command), own_log
-        server._env = dict(env) if env is not None else None
+        server.runtime_dir = Path(tempfile.mkdtemp(prefix=f"spade-{name.lower()}-tmp-"))
+        server._env = {**(env if env is not None else os.environ), "TMPDIR": str(server.runtime_dir)}
         try:
             server._spawn()
         except EngineError:
+            shutil.rmtree(server.runtime_dir, ignore_errors=True)
             if own_log:
                 log_path.unlink(missing_ok=True)
             raise
@@ -215,7 +228,7 @@ class Server:
                 raise EngineError(f"cannot start the {self.name} server ({self._argv[0]}: {exc.strerror}); set "
                                   "inference.server_python to a Python that has it") from None
         self.process = process
-        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0)
+        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0, self.runtime_dir)
         log.info("started %s server (pid %d) at %s, log %s", self.name, process.pid, self.url, self.log_path)
 
     def restart(self, health_path: str, timeout_s: float, why: str) -> None:
@@ -225,6 +238,9 @@ class Server:
         _terminate_group(self.process, 5.0)  # dead or hung: no long grace
         if self._finalizer is not None:
             self._finalizer.detach()
+        if self.runtime_dir is not None:  # what the dead one left (a killed server removes nothing)
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            self.runtime_dir.mkdir()
         assert self.log_path is not None
         with open(self.log_path, "ab") as log_file:
             log_file.write(f"\n--- spade-mega restarts this server: {why} ---\n".encode())
@@ -321,7 +337,7 @@ class Server:
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop a server this process started (its whole process group); an attached one is left running."""
         if self.process is not None:
-            _terminate_group(self.process, grace_s)
+            _terminate_group(self.process, grace_s, self.runtime_dir)
         if self._finalizer is not None:
             self._finalizer.detach()
         if self._own_log and self.log_path is not None:
