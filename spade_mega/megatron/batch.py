@@ -153,7 +153,6 @@ class MicroBatch:
     samples: list[int]  # indices in the global batch, in row order
     seqlens: list[int]  # tokens of each segment that are not its padding (a sample's length; the row's padding: all)
     row_index: Optional[torch.Tensor] = None  # a context-parallel shard: its positions in the whole row
-    routing: Optional[torch.Tensor] = None  # [1, L, MoE layers, top-k] the samples' routing to replay, -1 on padding
 
     @property
     def length(self) -> int:
@@ -191,7 +190,7 @@ class MicroBatch:
                           old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
                           rollout_logprobs=take(self.rollout_logprobs),
                           sample_ids=take(self.sample_ids), cu_seqlens=self.cu_seqlens, samples=self.samples,
-                          seqlens=self.seqlens, row_index=index, routing=take(self.routing))
+                          seqlens=self.seqlens, row_index=index)
 
     @property
     def padding_mask(self) -> torch.Tensor:
@@ -276,8 +275,6 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
     old = torch.zeros(length)
     ref = torch.zeros(length)
     rollout = torch.zeros(length) if any(s.rollout_logprobs is not None for s in samples) else None
-    routed = [s.routing for s in samples if s.routing is not None]  # pack() checked: all samples or none
-    routing = torch.full((length, *routed[0].shape[1:]), -1, dtype=torch.int16) if routed else None
     ids = torch.full((length,), -1, dtype=torch.long)
     bounds = [0]
     at = 0
@@ -295,8 +292,6 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
             ref[at:end - 1] = s.ref_logprobs[1:]
         if rollout is not None and s.rollout_logprobs is not None:  # pack() checked: all samples or none
             rollout[at:end - 1] = s.rollout_logprobs[1:]
-        if routing is not None:  # the token's own position: routing is of the input token, not the label
-            routing[at:end] = s.routing
         ids[at:end] = s.index
         at += _round_up(n, segment_multiple)  # the sample's own padding (context parallelism) is in its segment
         bounds.append(at)
@@ -309,7 +304,7 @@ def _row(samples: Sequence[TrainSample], length: int, segment_multiple: int) -> 
                       advantages=adv[None], old_logprobs=old[None], ref_logprobs=ref[None],
                       rollout_logprobs=None if rollout is None else rollout[None], sample_ids=ids[None],
                       cu_seqlens=torch.tensor(bounds, dtype=torch.int32), samples=[s.index for s in samples],
-                      seqlens=seqlens, routing=None if routing is None else routing[None])
+                      seqlens=seqlens)
 
 
 def row_length_multiple(tensor: int = 1, context: int = 1, sequence_parallel: bool = False) -> int:
@@ -373,12 +368,6 @@ def pack(samples: Sequence[TrainSample], *, token_budget: int, data_parallel: in
     if missing and len(missing) < len(samples):
         raise BatchError(f"sample {missing[0]}: rollout_logprobs missing while other samples of the batch have them "
                          "(give them for all samples or none: truncated IS needs every sample's behaviour policy)")
-    routed = {tuple(s.routing.shape[1:]) for s in samples if s.routing is not None}
-    unrouted = [s.index for s in samples if s.routing is None]
-    if routed and (unrouted or len(routed) > 1):
-        raise BatchError(f"sample {unrouted[0]}: routing missing while other samples of the batch have it"
-                         if unrouted else f"routing of different shapes in one batch ({sorted(routed)}: [MoE layers, "
-                         "top-k] per token)")
     segment_multiple = 2 * context if context > 1 else 1
     per_rank = [_bins(share, capacity, segment_multiple) for share in _assign_ranks(samples, data_parallel)]
     count = max(len(bins) for bins in per_rank)

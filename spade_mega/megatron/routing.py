@@ -21,9 +21,10 @@ Bookkeeping (:class:`RoutingReplay`): a rank routes the tokens of its share of e
 of its pipeline stage (all its virtual stages). The record pass writes each routed token's experts into one
 token-aligned table of the whole batch (each token by exactly one rank of the stage), summed over the stage's ranks
 (the tensor-, data- and context-parallel group), and each sample keeps its rows (``TrainSample.routing``: [tokens,
-this rank's MoE layers, top-k], uint8 up to 256 experts, else int16, in host memory). The steps pack them with the
-samples into whatever rows their budget makes, so replay survives repacking and reshuffling. A forward takes the
-micro-batch's rows as the target of each layer; Megatron's schedules run a micro-batch's backward (and its layers'
+this rank's MoE layers, top-k], uint8 up to 256 experts, else int16, in host memory). A step's forward gathers, for
+the positions its rank routes of a micro-batch, each token's rows from its sample (a row's ``sample_ids`` and
+``position_ids`` name the sample and the token), whatever rows the step's budget and order packed: replay survives
+repacking and reshuffling, and nothing is copied for the other ranks' rows. Megatron's schedules run a micro-batch's backward (and its layers'
 recompute) in the order of the forwards, so each layer's recompute takes the targets of the forwards in turn
 (REPLAY_BACKWARD's queue): whatever runs between two forward steps of the schedule is a backward.
 """
@@ -53,6 +54,19 @@ def storage_dtype(num_experts: int) -> torch.dtype:
     if num_experts > 32768:
         raise ValueError(f"routing replay stores expert indices as int16: {num_experts} experts do not fit")
     return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def gather_rows(routing: Sequence[torch.Tensor], sample: torch.Tensor, token: torch.Tensor, layers: slice
+                ) -> torch.Tensor:
+    """[positions, layers, top-k] int64: for each position (its ``sample``, an index into ``routing``, -1 on padding,
+    and its ``token`` in that sample) the experts the sample's rows hold for ``layers``; -1 on padding."""
+    first = next(r for r in routing if r is not None)
+    target = torch.full((len(sample), len(range(*layers.indices(first.shape[1]))), first.shape[-1]), -1,
+                        dtype=torch.long)
+    for s in sample[sample >= 0].unique().tolist():
+        mine = sample == s
+        target[mine] = routing[s][token[mine], layers].long()
+    return target
 
 
 class LayerReplay(RouterReplay):
@@ -140,18 +154,25 @@ class RoutingReplay:
 
     # --- replay (the train step) ----------------------------------------------------------------------------
 
+    def _tokens(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each position this rank's routers see of ``mb``: its sample (index in the batch; -1 on padding) and
+        the token's index in that sample (a row restarts its positions at every sample)."""
+        local = self._local(mb)
+        return mb.sample_ids[0, local], mb.position_ids[0, local]
+
     @contextmanager
-    def around(self, chunk: int, mb: MicroBatch) -> Iterator[None]:
-        """Around the forward of ``mb`` (a row or its shard, with ``routing``) by model chunk ``chunk`` in a train
-        step: its rows are each layer's target, and stay queued for the layer's backward recompute; until the next
-        forward, router calls are recomputes (REPLAY_BACKWARD)."""
-        assert mb.routing is not None
-        rows = mb.routing[0, self._local(mb)]
-        for j, hook in enumerate(self.layers[chunk]):
-            hook.set_target_indices(rows[:, self.first[chunk] + j])
+    def around(self, routing: Sequence[torch.Tensor], chunk: int, mb: MicroBatch) -> Iterator[None]:
+        """Around the forward of ``mb`` (a row or its context-parallel shard) by model chunk ``chunk`` in a train step
+        whose samples have ``routing`` (by index in the batch): its tokens' experts are each layer's target (-1 on
+        padding), and stay queued for the layer's backward recompute; until the next forward, router calls are
+        recomputes (REPLAY_BACKWARD). Only this rank's positions are gathered, from the samples' own rows."""
+        hooks = self.layers[chunk]
+        target = gather_rows(routing, *self._tokens(mb), slice(self.first[chunk], self.first[chunk] + len(hooks)))
+        for j, hook in enumerate(hooks):
+            hook.set_target_indices(target[:, j])
             hook.set_router_replay_action(FORWARD)
         yield
-        for hook in self.layers[chunk]:
+        for hook in hooks:
             hook.set_router_replay_action(BACKWARD)
 
     @contextmanager
@@ -197,17 +218,12 @@ class Recorder:
         replay = self.replay
         if not replay.sequence_parallel and replay.tp_rank:
             return
-        local = replay._local(mb)
-        row = local if mb.row_index is None else mb.row_index[local]
-        where = torch.full((mb.row_length,), -1, dtype=torch.long)  # each row position's token in the batch
-        bounds = mb.cu_seqlens.tolist()
-        for k, sample in enumerate(mb.samples):
-            where[bounds[k]:bounds[k] + mb.seqlens[k]] = self.offsets[sample] + torch.arange(mb.seqlens[k])
-        dest = where[row]
-        keep = dest >= 0
+        sample, token = replay._tokens(mb)
+        keep = sample >= 0
+        dest = torch.tensor(self.offsets)[sample[keep]] + token[keep]  # the tokens' rows in the batch's table
         for j, hook in enumerate(replay.layers[chunk]):
             recorded = hook.get_recorded_indices().cpu()
-            self.table[dest[keep], replay.first[chunk] + j] = recorded[keep].to(replay.dtype)
+            self.table[dest, replay.first[chunk] + j] = recorded[keep].to(replay.dtype)
 
     def per_sample(self) -> list[torch.Tensor]:
         """Each sample's rows of the table ([tokens, layers, top-k] views of it)."""

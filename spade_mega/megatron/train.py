@@ -26,6 +26,7 @@ import math
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -435,7 +436,8 @@ class Trainer:
         with compat.moe_aux_loss_scaled(self.config, len(micro_batches) / aux_micro_batches), \
                 self.routing.replaying() if self.routing is not None else nullcontext() as counted:
             self._run_schedule(micro_batches, loss_fn, forward_only=False,
-                               route=None if self.routing is None else self.routing.around)
+                               route=None if self.routing is None else partial(self.routing.around,
+                                                                               [s.routing for s in batch]))
             if counted is not None:
                 drift += counted()
         updated, grad_norm = False, None  # skipped: no weight, Adam moment or schedule moves (grad_norm NaN)

@@ -99,32 +99,36 @@ def _sample(n: int, routing: object = None, index: int = 0) -> TrainSample:
     return TrainSample(torch.arange(n), torch.arange(n) > 0, torch.ones(n), index=index, routing=routing)
 
 
-def test_routing_is_packed_token_aligned_with_padding_marked() -> None:
-    """Each sample's routing rows land at its tokens' own row positions (not shifted like the labels), padding is -1
-    (the router's own choice), and a context-parallel shard takes its positions' rows."""
+def test_a_rows_routing_is_gathered_token_aligned_from_its_samples() -> None:
+    """A step's forward takes, for each position it routes (here a context-parallel shard of a row whose segments are
+    padded), the experts its sample's own rows hold for that token (the input token, not shifted like the labels),
+    -1 on padding (the router's own choice)."""
+    from spade_mega.megatron import compat
+
+    compat.install()
+    from spade_mega.megatron.routing import gather_rows
+
     a = _sample(5, torch.arange(5 * 2 * 3).reshape(5, 2, 3).to(torch.uint8), index=0)
     b = _sample(3, 100 + torch.arange(3 * 2 * 3).reshape(3, 2, 3).to(torch.uint8), index=1)
     row = pack([a, b], token_budget=16, context=2, length_multiple=4).micro_batches[0][0]
-    assert row.routing.shape == (1, row.length, 2, 3) and row.routing.dtype == torch.int16
-    assert torch.equal(row.routing[0, :5], a.routing.to(torch.int16))
-    assert torch.equal(row.routing[0, 8:11], b.routing.to(torch.int16))  # a's segment padded to 8 (2 x CP2)
+    full = gather_rows([a.routing, b.routing], row.sample_ids[0], row.position_ids[0], slice(0, 2))
+    assert full.shape == (row.length, 2, 3) and full.dtype == torch.long
+    assert torch.equal(full[:5], a.routing.long()) and torch.equal(full[8:11], b.routing.long())  # a padded to 8
     padding = row.sample_ids[0] < 0
-    assert padding.any() and bool((row.routing[0][padding] == -1).all())
+    assert padding.sum() == 3 + 1 and bool((full[padding] == -1).all())
     shard = row.context_shard(1, 2)
-    assert torch.equal(shard.routing[0], row.routing[0, shard.row_index])
+    assert torch.equal(gather_rows([a.routing, b.routing], shard.sample_ids[0], shard.position_ids[0], slice(0, 2)),
+                       full[shard.row_index])
+    assert torch.equal(gather_rows([a.routing, b.routing], row.sample_ids[0], row.position_ids[0], slice(1, 2)),
+                       full[:, 1:])
 
 
-def test_routing_must_fit_its_sample_and_its_batch() -> None:
+def test_routing_must_fit_its_sample() -> None:
     with pytest.raises(BatchError, match=r"sample 0: routing must be integer expert indices \[tokens \(4\)"):
         _sample(4, torch.zeros(3, 2, 2, dtype=torch.long))
     with pytest.raises(BatchError, match="routing must be integer"):
         _sample(4, torch.zeros(4, 2, 2))
-    routed, unrouted = _sample(4, torch.zeros(4, 2, 2, dtype=torch.long)), _sample(4, index=1)
-    with pytest.raises(BatchError, match="sample 1: routing missing while other samples of the batch have it"):
-        pack([routed, unrouted], token_budget=16)
-    other = _sample(4, torch.zeros(4, 3, 2, dtype=torch.long), index=1)
-    with pytest.raises(BatchError, match="routing of different shapes"):
-        pack([routed, other], token_budget=16)
+    routed = _sample(4, torch.zeros(4, 2, 2, dtype=torch.long))
     assert torch.equal(samples_from([routed])[0].routing, routed.routing)
 
 
