@@ -238,10 +238,8 @@ class _Actor:
         self.closing: list[Any] = []
         self.writer = transcripts.BackgroundWriter()
         # selfplay.async_rollouts: the thread that plays the rollout ahead, which rank 0's loop thread collects (or
-        # abandons: the rollout's engine calls then raise _Abandoned); its torch ops take as many intra-op threads as
-        # the loop's (a new thread would take OpenMP's default), so the engine computes alike on either thread
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="spade-rollout", initializer=torch.set_num_threads,
-                                           initargs=(torch.get_num_threads(),)) \
+        # abandons: the rollout's engine calls then raise _Abandoned)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="spade-rollout") \
             if cfg.selfplay.async_rollouts else None
         self.abandon = threading.Event()
         self.ahead: Optional[tuple[int, LoopState, "Future[_Played]"]] = None
