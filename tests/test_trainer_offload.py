@@ -81,6 +81,8 @@ def test_offload_releases_every_state_storage_and_reload_restores_it_bit_for_bit
         trainer.train_step(make_batch(1))
         state = _state_tensors(trainer)
         assert any(".exp_avg_sq" in k for k in state) and any("grad_buffer" in k for k in state)
+        # the parameters are views of a DDP param buffer under the distributed optimizer, own storages without it
+        assert any("param_buffer" in k for k in state) == ("optimizer.distributed=false" not in overrides)
         before = {k: v.detach().clone() for k, v in state.items()}
         assert any(float(v.abs().max()) > 0 for k, v in before.items() if "grad_buffer" in k)  # the step's gradients
         # each storage once however many tensors view it (a parameter, its DDP buffer, the optimizer's shard of it)
