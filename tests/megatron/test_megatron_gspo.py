@@ -45,12 +45,28 @@ def paper_loss(logprobs: list[torch.Tensor]) -> float:
     return sum(terms) / len(terms)
 
 
+def paper_clipping(logprobs: list[torch.Tensor]) -> tuple[float, float]:
+    """The fraction of samples whose clipped branch GSPO takes (s_i above 1 + 4e-4 with A > 0, below 1 - 3e-4 with
+    A < 0), and the fraction of loss tokens in them, on the whole batch."""
+    clipped, tokens, total = [], 0, 0
+    for sample, lp in zip(make_batch(1), logprobs):
+        m = sample.loss_mask
+        s = float(torch.exp((lp.double()[m] - sample.old_logprobs.double()[m]).mean()))
+        a = float(sample.advantages[m][0])
+        clipped.append((a > 0 and s > 1 + 4e-4) or (a < 0 and s < 1 - 3e-4))
+        tokens += int(m.sum()) if clipped[-1] else 0
+        total += int(m.sum())
+    return sum(clipped) / len(clipped), tokens / total
+
+
 @pytest.mark.multiproc
 def test_one_process_step_is_the_papers_objective(runs: Path) -> None:
     step = read_json(runs / "one.json")["step"]
     logprobs = torch.load(runs / "one_logprobs.pt")
     assert step["loss"] == pytest.approx(paper_loss(logprobs["before"]), rel=1e-5)
     assert 0 < step["seq_clip_frac"] < 1, "the batch must have clipped samples and samples that train"
+    # the step's micro-batches (rows of 1 to 3 samples) combine into the whole batch's fractions
+    assert (step["seq_clip_frac"], step["clip_frac"]) == pytest.approx(paper_clipping(logprobs["before"]), rel=1e-6)
     assert 0 < step["clip_frac"] < 1 and step["grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(logprobs["before"], logprobs["after"]))
 
