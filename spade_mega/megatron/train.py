@@ -116,6 +116,7 @@ class Trainer:
         self.cfg = cfg
         self.pending_save: Optional[PendingSave] = None  # a checkpoint being written in the background
         self.model_cfg = resolve_model_config(cfg.model)
+        cfg.rl.check_routing_replay(self.model_cfg.num_experts)  # the model a config.json describes, too
         self.backend: Backend = select_backend(self.model_cfg.transformer_impl)
         compat.install()
         from megatron.core import parallel_state as ps
@@ -165,7 +166,6 @@ class Trainer:
         # rl.routing_replay: the old policy's experts replayed in the steps (routing.py)
         self.routing: Optional[RoutingReplay] = None
         if cfg.rl.routing_replay:
-            cfg.rl.check_routing_replay(self.model_cfg.num_experts)
             from spade_mega.megatron.routing import RoutingReplay
 
             self.routing = RoutingReplay(chunks, self.model_cfg.num_experts, self.layout.tensor,

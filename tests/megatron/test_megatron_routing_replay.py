@@ -83,9 +83,20 @@ def _cfg(*overrides: str) -> SpadeConfig:
     return build(SpadeConfig, apply_overrides(to_dict(SpadeConfig()), list(overrides)))
 
 
-def test_dense_model_is_refused() -> None:
+def test_dense_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By the config check, and by the trainer (which resolves a config.json's model) before it joins a process group
+    or builds anything."""
+    from spade_mega.megatron import Trainer, train
+
+    def joined(*args: object) -> None:
+        raise AssertionError("the trainer started torch.distributed before refusing the config")
+
+    monkeypatch.setattr(train, "init_distributed", joined)
+    dense = _cfg("rl.routing_replay=true", "model.num_experts=0")
     with pytest.raises(ConfigError, match=r"rl\.routing_replay.*mixture-of-experts"):
-        _cfg("rl.routing_replay=true", "model.num_experts=0").check()
+        dense.check()
+    with pytest.raises(ConfigError, match=r"rl\.routing_replay.*mixture-of-experts"):
+        Trainer(dense)
     _cfg("rl.routing_replay=true").check()
 
 
