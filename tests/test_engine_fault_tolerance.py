@@ -46,8 +46,10 @@ from pathlib import Path
 
 
 class Emulator:
-    def __init__(self, port, events, delay=0.0, statuses=None, marker=0):
+    def __init__(self, port, events, delay=0.0, statuses=None, marker=0, hang=None, tokens=(1, 0.0)):
         self.events, self.delay, self.statuses, self.marker = Path(events), delay, list(statuses or []), marker
+        self.hang = hang  # a threading.Event: completions stop after their first event until it is set
+        self.tokens = tokens  # (n, gap): a streamed completion is its token n times, one event every gap seconds
         self.lock = threading.Lock()
         emulator = self
 
@@ -63,6 +65,23 @@ class Emulator:
 
             def _answer(self, body):
                 status, reply = emulator.handle(self.path, body)
+                if status == 200 and isinstance(body, dict) and body.get("stream"):  # as vLLM streams
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
+                    count, gap = emulator.tokens
+                    for i in range(count):
+                        time.sleep(gap if i else 0.0)
+                        self.wfile.write(f"data: {json.dumps(reply)}\n\n".encode())
+                        self.wfile.flush()
+                    if emulator.hang is not None:  # hung after its first token (a wedged engine): nothing more
+                        emulator.record("hangs")
+                        emulator.hang.wait()
+                        return
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -628,5 +647,77 @@ def test_generation_and_weight_updates_exclude_each_other(model_folder, in_threa
         waiting.join()
         assert [(g.output_ids, g.weight_version) for g in results["during_update"]] == \
             [((10 + 1 + 9,), 2), ((11 + 1 + 9,), 2)]
+    finally:
+        engine.close()
+
+
+def test_an_attached_server_that_stops_sending_tokens_is_an_error_naming_it_after_the_stall_timeout(
+        model_folder, in_thread):
+    """A server that hangs in the middle of its completions (a wedged engine: it sent a token, then nothing, while
+    its /health still answers) is found after inference.stall_timeout_s without a token, not after the
+    request_timeout_s of each completion and its retries; one this run did not start is an error naming it."""
+    hang = threading.Event()
+    emulator = in_thread(hang=hang)
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               request_timeout_s=120, stall_timeout_s=1.0, retry_backoff_s=0.05)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"vLLM server at {emulator.url} is hung: none of its 4 completions "
+                                              r"in flight got a token for \d+ s .*this run did not start it"):
+            engine.generate(_requests(4))
+        assert time.monotonic() - started < 8  # the stall timeout and the watch's look, not 120 s x 4 tries
+        assert sum(e.endswith("hangs") for e in _events(emulator.events)) == 4  # each had streamed a token
+    finally:
+        hang.set()
+        engine.close()
+
+
+def test_a_started_server_that_stops_making_progress_is_restarted_and_the_requests_redone(model_folder, tmp_path,
+                                                                                          caplog):
+    """SIGSTOP of the server's process group while completions are in flight (it neither answers nor dies): after
+    inference.stall_timeout_s without a token its group is killed and the server restarted, the requests redone on
+    it; the call returns every completion. The first token of a fresh server may take startup_timeout_s (its first
+    completion compiles), so the call made right after the restart is not cut."""
+    engine, events, _ = _launch(model_folder, tmp_path, delay=0.3, stall_timeout_s=1.5, request_timeout_s=120)
+    try:
+        assert [g.output_ids for g in engine.generate(_requests(2))] == [(11,), (12,)]  # it streamed once
+        pid = engine.servers[0].process.pid
+        seen = len(_events(events))
+
+        def stop_once_serving() -> None:
+            while len([e for e in _events(events)[seen:] if e.startswith(f"{pid} generate")]) < 4:
+                time.sleep(0.01)
+            os.killpg(pid, signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_once_serving)
+        stopper.start()
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+            out = engine.generate(_requests(8))
+        stopper.join()
+        assert [g.output_ids for g in out] == [(11 + i,) for i in range(8)]
+        assert engine.servers[0].process.pid != pid and engine.recoveries["server_restarts"] == 1
+        assert f"(pid {pid}): it is hung: none of its" in caplog.text
+        assert time.monotonic() - started < 30  # stall 1.5 s + the stopped group's 5 s kill + a restart, not 120 s
+    finally:
+        try:
+            os.killpg(pid, signal.SIGCONT)
+        except ProcessLookupError:  # killed by the restart
+            pass
+        engine.close()
+
+
+def test_a_completion_that_streams_for_much_longer_than_the_stall_timeout_is_not_cut(model_folder, in_thread):
+    """The stall clock measures time without a token, not a completion's length: one that takes 4 s, a token every
+    0.2 s, with inference.stall_timeout_s 1, completes without a retry."""
+    emulator = in_thread(tokens=(20, 0.2))
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               stall_timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        out = engine.generate(_requests(2))
+        assert time.monotonic() - started > 3.8
+        assert [g.output_ids for g in out] == [(11,) * 20, (12,) * 20] and list(out[0].logprobs) == [-0.5] * 20
+        assert engine.recoveries == {"request_retries": 0, "server_restarts": 0}
     finally:
         engine.close()

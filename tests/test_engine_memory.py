@@ -89,6 +89,14 @@ class MemoryServer:
             def _answer(self, body: Any) -> None:
                 with server.lock:
                     status, reply = server.handle(self.path, body)
+                if status == 200 and isinstance(body, dict) and body.get("stream"):  # vLLM streams its completions
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(f"data: {json.dumps(reply)}\n\ndata: [DONE]\n\n".encode())
+                    self.close_connection = True
+                    return
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

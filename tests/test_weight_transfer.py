@@ -167,6 +167,64 @@ def test_a_collective_update_that_fails_part_way_stops_generation_until_a_comple
 
 
 @pytest.mark.engine
+def test_a_trainer_failing_once_it_announced_a_bucket_holds_the_server_only_the_bucket_timeout(collective, weights,
+                                                                                                model_folder):
+    """The trainer fails after telling the server of a bucket and before its bytes go out (a tensor it cannot send),
+    while it lives on: the server's worker, waiting for those bytes, gives up after the bucket timeout the trainer
+    told it (inference.stall_timeout_s; it waited out request_timeout_s, 120 s here, with generation blocked). In
+    the first bucket nothing was loaded: the servers serve the previous version at once; in a later one the engine
+    refuses to generate until a complete update, which goes through at once."""
+    import time
+
+    from spade_mega.inference.collective import Group
+
+    served, version = collective.generate(GREEDY), collective.weight_version
+    new, broadcast, stall = perturbed(weights, 13), Group.broadcast, collective.stall_timeout_s
+    calls: list[int] = []
+
+    def fails_at(bucket: int):  # type: ignore[no-untyped-def]
+        def send(group, buffer, timeout_s=None):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == bucket:
+                raise RuntimeError("a tensor of the bucket cannot be sent")
+            return broadcast(group, buffer, timeout_s)
+        return send
+
+    collective.stall_timeout_s = 5.0
+    try:
+        Group.broadcast = fails_at(1)  # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="cannot be sent"):
+            collective.update_weights(stream(new), version=version + 1)
+        after = collective.generate(GREEDY)  # the previous version, served at once
+        assert time.monotonic() - started < 60
+        assert collective.weight_version == version and all(g.weight_version == version for g in after)
+        assert [g.output_ids for g in after] == [g.output_ids for g in served]
+        log = collective.servers[0].log_path.read_text(errors="replace")
+        assert "did not come (the trainer failed or stopped sending" in log and "at most 5.0 s" in log
+
+        calls.clear()
+        Group.broadcast = fails_at(2)  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="cannot be sent"):
+            collective.update_weights(stream(new), version=version + 2)
+        with pytest.raises(EngineError, match=f"weight update {version + 2} failed while the servers loaded it"):
+            collective.generate(GREEDY[:1])
+        Group.broadcast = broadcast  # type: ignore[method-assign]
+        started = time.monotonic()
+        collective.update_weights(stream(new), version=version + 3)
+        assert time.monotonic() - started < 60
+    finally:
+        Group.broadcast = broadcast  # type: ignore[method-assign]
+        collective.stall_timeout_s = stall
+    reference = hf_model(new, model_folder)
+    for generation in collective.generate(GREEDY):
+        assert generation.weight_version == version + 3
+        expected, argmax = forward_logprobs(reference, generation, 0.0)
+        assert list(generation.output_ids) == argmax.tolist()
+        torch.testing.assert_close(torch.tensor(generation.logprobs), expected, atol=2e-4, rtol=0)
+
+
+@pytest.mark.engine
 @pytest.mark.slow
 def test_a_server_restarted_after_it_died_is_refused_until_the_next_update_reopens_its_group(collective, weights,
                                                                                              model_folder):

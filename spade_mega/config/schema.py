@@ -175,6 +175,9 @@ class InferenceConfig:
     tensor_parallel: int = 1  # GPUs of a server this run starts
     startup_timeout_s: float = 600.0  # a server must answer its health check within this
     request_timeout_s: float = 600.0  # one completion, or one weight reload
+    # vllm: a server whose completions in flight have all gone this long without a token is hung (a wedged engine,
+    # a GPU hang): one this run started is restarted and the requests redone, an attached one is an error; 0: off
+    stall_timeout_s: float = 120.0
     concurrency: int = 64  # requests in flight per server (the server batches them)
     weight_sync_dir: Optional[str] = None  # where updates are staged for the servers to load; None: /dev/shm
     # how weight updates reach the servers: folder (staged safetensors the servers reload: the model's size in RAM,
@@ -202,6 +205,8 @@ class InferenceConfig:
                   "concurrency", "restart_window_s")
         for name in ("request_retries", "retry_backoff_s", "max_server_restarts"):
             _require(getattr(self, name) >= 0, f"inference.{name}", f"must be >= 0, got {getattr(self, name)}")
+        _require(self.stall_timeout_s >= 0, "inference.stall_timeout_s",
+                 f"must be >= 0 (0 turns stall detection off), got {self.stall_timeout_s}")
         _require(self.prefix_cache_mb >= 0, "inference.prefix_cache_mb",
                  f"must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}")
         for i, url in enumerate(self.server_urls):

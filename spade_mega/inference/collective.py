@@ -19,7 +19,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,10 +65,13 @@ class Group:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, buffer: torch.Tensor) -> "dist.Work":
-        """Start broadcasting ``buffer`` from rank 0 (received in place elsewhere); ``wait()`` the result."""
+    def broadcast(self, buffer: torch.Tensor, timeout_s: Optional[float] = None) -> "dist.Work":
+        """Start broadcasting ``buffer`` from rank 0 (received in place elsewhere); ``wait()`` the result, which
+        fails after ``timeout_s`` (default: the group's timeout)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        if timeout_s is not None:
+            options.timeout = timedelta(seconds=timeout_s)
         return self.process_group.broadcast([buffer], options)
 
     def close(self) -> None:

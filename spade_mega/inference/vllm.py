@@ -9,6 +9,10 @@ top-p below 1 (and a temperature above 0) is refused, since no vLLM 0.32 mode re
 Greedy requests get temperature-1 log-probs, as the interface asks. ``--generation-config vllm`` keeps a model
 folder's generation_config.json (repetition penalty, top-k...) out of the sampling.
 
+Completions stream (``stream: true``, the same tokens and log-probs in pieces), so that a server which stops sending
+tokens is found hung after ``inference.stall_timeout_s`` rather than after ``request_timeout_s`` (see
+:meth:`~spade_mega.inference.server.Server.cut_if_stalled`).
+
 Weights. Each update is staged as safetensors (see :mod:`spade_mega.inference.server`) and loaded with the worker
 method ``reload_weights(weights_path=...)`` through ``/collective_rpc`` (a dev-mode endpoint:
 ``VLLM_SERVER_DEV_MODE=1``), then the prefix cache is reset so no KV computed with the old weights is reused. With
@@ -47,6 +51,7 @@ class VLLMEngine(ServerEngine):
     name = "vLLM"
     generate_path = "/v1/completions"
     collective_weight_transfer = True
+    streams_completions = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -133,15 +138,24 @@ class VLLMEngine(ServerEngine):
             "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0,
             "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "stop_token_ids": self._stop_ids(request), "ignore_eos": False, "skip_special_tokens": False,
-            "logprobs": 0, "return_token_ids": True,
+            "logprobs": 0, "return_token_ids": True, "stream": True,
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         return body
 
     def _parse(self, reply: Any) -> tuple[list[int], list[float], str]:
-        choice = reply["choices"][0]
-        return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+        """A streamed completion: each event carries the tokens sampled since the last one, with their log-probs
+        (the same values a reply without streaming gives, in pieces); the last one its finish reason."""
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        finish_reason = None
+        for event in reply:
+            for choice in event["choices"]:  # none in a usage event
+                output_ids += choice["token_ids"]
+                logprobs += choice["logprobs"]["token_logprobs"]
+                finish_reason = choice["finish_reason"] or finish_reason
+        return output_ids, logprobs, finish_reason
 
     @staticmethod
     def _dev_request(server: Server, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:

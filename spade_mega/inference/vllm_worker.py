@@ -50,6 +50,9 @@ class SpadeUpdateInfo(WeightTransferUpdateInfo):
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
+    # how long its bytes may take to come (the trainer sends them as it announces the bucket): a trainer that failed
+    # in between holds this server's engine no longer than this (0: the group's timeout, request_timeout_s)
+    timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -106,7 +109,13 @@ class SpadeWeightTransferEngine(WeightTransferEngine[SpadeInitInfo, SpadeUpdateI
         dtypes = [dtype_named(name) for name in update_info.dtype_names]
         _, size = layout(update_info.shapes, dtypes)
         buffer = torch.empty(size, dtype=torch.uint8, device=self.group.device)
-        self.group.broadcast(buffer).wait()
+        try:
+            self.group.broadcast(buffer, update_info.timeout_s or None).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"spade weight transfer: the bytes of a bucket of {len(update_info.names)} tensors "
+                               f"did not come (the trainer failed or stopped sending, or the group broke; waited at "
+                               f"most {update_info.timeout_s or 'the group timeout'} s): the update is abandoned "
+                               f"({exc})") from exc
         self.model.load_weights(list(zip(update_info.names, unpack(buffer, update_info.shapes, dtypes))))
 
     def shutdown(self) -> None:
