@@ -346,6 +346,10 @@ DIFFERENT = [  # (answer, reference): not the same value
     ("(E) 12", "(D) 12"),  # the letter is the answer chosen: another option with the same value is not it
     ("\\textbf{(E)}\\ 12", "D"),
     ("(E) 12", "(E) 13"),
+    ("(A) \\text{ or } (B)", "A"),  # two options named: a hedge, not the first option with a value
+    ("\\textbf{(A)}\\ 2 \\text{ and } \\textbf{(C)}\\ 4", "2"),
+    ("(A), (C)", "A"),
+    ("(C)(D)", "C"),
     ("\\begin{vmatrix} 1 & 2 \\\\ 3 & 4 \\end{vmatrix}", "-2"),  # a determinant is not translated
 ]
 
@@ -360,6 +364,25 @@ def test_forms_of_the_same_value_score(answer: str, reference: str) -> None:
 def test_different_values_do_not_score(answer: str, reference: str) -> None:
     assert not SCORERS["boxed"](f"\\boxed{{{answer}}}", reference)[1]
     assert not SCORERS["boxed"](f"\\boxed{{{reference}}}", answer)[1]
+
+
+ONE_WAY = [  # (answer, reference, right): an equation states its right side against a bare value when it is the
+    # model's (math-verify: "m + n = 25", "a^2 + b^2 = 25" answer "find ..."), but a reference equation does so only
+    # when its left side names the quantity, variables alone (math-verify's assignment): the reference circle
+    # x^2 + y^2 = 25 is not the answer 25, the line 2x + 3y = 12 not 12
+    ("a^2 + b^2 = 25", "25", True),
+    ("25", "x^2 + y^2 = 25", False),
+    ("12", "2x + 3y = 12", False),
+    ("1", "\\frac{x^2}{4} + \\frac{y^2}{9} = 1", False),
+    ("25", "m + n = 25", True),
+    ("\\frac{7}{2}", "\\frac{m}{n} - k = 3.5", True),
+]
+
+
+@pytest.mark.parametrize("answer, reference, right", ONE_WAY)
+def test_an_equation_states_its_number_as_the_answer_not_as_the_reference(answer: str, reference: str,
+                                                                          right: bool) -> None:
+    assert SCORERS["boxed"](f"\\boxed{{{answer}}}", reference)[1] is right
 
 
 HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)

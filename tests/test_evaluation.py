@@ -118,6 +118,9 @@ CHOICE = [
     ("\\boxed{(C) 5.2 eV}", "B", False),
     ("\\boxed{(A) 1.1 eV}, or rather \\boxed{(C) 5.2 eV}", "C", False),  # two letters: a hedge
     ("\\boxed{A cat}", "A", False),  # an article, not option A
+    ("\\boxed{(A) or (B)}", "A", False),  # a box naming two options is a hedge, as "Answer: A or B" is
+    ("\\boxed{(A), (C)}", "A", False),
+    ("\\boxed{A) 1.1 eV \\text{ and } C) 5.2 eV}", "A", False),
 ]
 
 

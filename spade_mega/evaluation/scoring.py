@@ -66,6 +66,8 @@ _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 # "(E) 12", "\\textbf{(E)}\\ 12", "\\text{(C) } \\frac12": an option's letter, then its value
 _OPTION = re.compile(r"\s*\$?\s*(?:\\(?:textbf|text|mathrm|textrm|mathbf)\s*\{\s*)?\(\s*([A-E])\s*\)\s*\}?"
                      r"(?:\s|\\[ ,;:]|\\q?quad|~)*(.*?)\s*\$?\s*", re.DOTALL)
+_OTHER_OPTION = re.compile(r"\(\s*[A-E]\s*\)")  # "(A) or (B)": a second option named, a hedge
+_OTHER_LABEL = re.compile(r"\(([A-J])\)|\b([A-J])\)")  # the labels in a box, spaces kept: "(A), (C)", "A) and C)"
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
 
@@ -206,10 +208,11 @@ def _number_and_unit(answer: str) -> Optional[tuple[Fraction, str, str]]:
 
 def _option(answer: str) -> Optional[tuple[str, str]]:
     """A multiple-choice answer as AMC problems in MATH write it: (its letter, the option's value as written, or "")
-    for ``(E) 12``, ``\\textbf{(E)}\\ 12``, ``\\text{(E)}``, ``E``; None for anything else."""
+    for ``(E) 12``, ``\\textbf{(E)}\\ 12``, ``\\text{(E)}``, ``E``; None for anything else, and for an answer naming
+    two options (``(A) \\text{ or } (B)``, ``(A), (C)``: a hedge, not option A with a value)."""
     found = _OPTION.fullmatch(answer)
     if found is not None:
-        return found.group(1), found.group(2).strip()
+        return None if _OTHER_OPTION.search(found.group(2)) else (found.group(1), found.group(2).strip())
     letter = _CHOICE.fullmatch(normalise(answer))
     return (letter.group(1), "") if letter is not None and letter.group(1) in "ABCDE" else None
 
@@ -239,10 +242,12 @@ def _same_maths(predicted: str, reference: str) -> bool:
 
 def _boxed_letter(box: str) -> Optional[str]:
     """The letter a box names: the letter alone (``C``, ``(C)``), or an option's label before its text (``(C) 5.2
-    eV``, ``\\textbf{(C)} 12``, ``C. 5.2 eV``, ``C) 12``; not ``A cat``, an article)."""
+    eV``, ``\\textbf{(C)} 12``, ``C. 5.2 eV``, ``C) 12``; not ``A cat``, an article, nor ``(A) or (B)``, a hedge)."""
     text = normalise(box).upper()
     match = _CHOICE.fullmatch(text) or _LABEL.match(text)
-    return match.group(1) if match else None
+    if match is None or any(set(other) - {"", match.group(1)} for other in _OTHER_LABEL.findall(unwrap(box).upper())):
+        return None
+    return match.group(1)
 
 
 def choice_letter(text: str) -> Optional[str]:

@@ -23,8 +23,9 @@ sign and ``\\mp`` the other; in a list, its two values are two entries), a union
 ``y = 3``, and ``x = 2x + 1`` is an equation in x, not the value 2x + 1; two equations are the same when their
 ``lhs - rhs`` agree up to a non-zero constant factor: ``2x = 6`` is ``x = 3``, ``y = x`` is ``x = y``, but
 ``(x-3)^2 = 0`` is not ``x = 3`` and no equation is a bare value, ``x - 3 = 0`` is not ``3``, unless its right
-side is a non-zero number, which it states: ``m + n = 25`` is 25, as math-verify reads it; an equation in numbers
-that holds states its right side, ``3 \\times 4 = 12`` is 12), a trailing percent
+side is a non-zero number, which it states: ``m + n = 25`` is 25, as math-verify reads it; the reference's equation
+only when its left side is variables alone, also as math-verify: the reference circle ``x^2 + y^2 = 25`` is not the
+answer 25; an equation in numbers that holds states its right side, ``3 \\times 4 = 12`` is 12), a trailing percent
 sign (a percentage equals its number with or without the sign, and its number / 100 against a side without one),
 degrees (``^\\circ``: formatting) and a trailing unit in ``\\text{}`` / ``\\mathrm{}`` / ``\\unit{}`` or in plain
 words of two letters or more (``2 cm``, ``3 hours``; words of ``_UNIT_WORDS`` only, ``^2`` / ``^3`` part of the unit;
@@ -526,7 +527,8 @@ def expression(text: str) -> Any:
 class Answer:
     """One parsed answer: ``kind`` expr (``value``), tuple (``brackets``, ``items``), set or union (``items``; the
     two values of a ``\\pm`` expression are a set with ``brackets`` ``\\pm``, spliced into a list holding it), eq
-    (``value`` is lhs - rhs; ``stated`` its right side when that is a non-zero number, ``m + n = 25``: 25);
+    (``value`` is lhs - rhs; ``stated`` its right side when that is a non-zero number, ``m + n = 25``: 25;
+    ``assigned`` when its left side is variables alone, ``m + n``, ``m/n``, not ``x^2 + y^2``);
     ``percent`` when it ended in a percent sign; ``unit`` its trailing unit, or ""; ``variable`` the letter of a
     leading ``x =``, or "" (``x = 3`` is 3, but not ``y = 3``)."""
 
@@ -538,6 +540,7 @@ class Answer:
     unit: str = ""
     variable: str = ""
     stated: Any = None
+    assigned: bool = False
 
 
 # a unit: \text{ cm}, \mathrm{m} (siunitx's \unit{cm} too), or plain words of two letters or more (2 cm, 3 hours: one
@@ -693,7 +696,8 @@ def _structure(raw: str, top: bool) -> Answer:
         if not difference.free_symbols or _equal(difference, sympy.S.Zero):  # 0 = 1, x = x, x(x+1) = x^2 + x
             raise Refused("an equation that holds for every value or none")  # no relation: compared as text
         stated = right if right.is_number and right != 0 else None  # m + n = 25 states 25; x - 5 = 0 nothing
-        return Answer("eq", value=difference, stated=stated)
+        assigned = not left.atoms(sympy.Number) - {sympy.S.One, sympy.S.NegativeOne}  # m + n, m/n: no x^2, no 2x
+        return Answer("eq", value=difference, stated=stated, assigned=assigned)
     if len(sides) > 2:
         raise Refused("a chain of equations")
     if text.startswith("\\{") and text.endswith("\\}"):
@@ -763,8 +767,9 @@ def _same(a: Answer, b: Answer) -> bool:
         equation = b if named is a else a
         if {a.kind, b.kind} != {"eq", "expr"} or named.percent:
             return False
-        if not named.variable:
-            return equation.stated is not None and _equal(equation.stated, named.value)
+        if not named.variable:  # the model's m + n = 25 states 25; a reference only when it assigns (not x^2 + y^2 = 25)
+            return equation.stated is not None and (named is b or equation.assigned) and \
+                _equal(equation.stated, named.value)
         return _proportional(equation.value, _equation(named))
     if a.kind == "expr":
         if a.percent != b.percent:  # 25\% against 25 or against 0.25
