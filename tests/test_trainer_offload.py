@@ -6,8 +6,10 @@ expert-parallel ranks, the distributed optimizer) is tests/megatron/test_megatro
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,38 @@ def test_with_a_server_engine_the_trainer_offloads_before_the_engine_takes_its_k
                                                   "reload", "trainer:save", "trainer:offload"], calls
     records = [json.loads(line) for line in (tmp_path / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time/trainer_offload_s"] > 0 and r["time/engine_resume_s"] >= 0 for r in records)
+
+
+def test_host_copies_are_replaced_not_doubled_when_the_optimizer_state_appears(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's first offload comes before any step (no Adam state yet); the one after the first step needs larger
+    host copies. The earlier copies are freed before the new ones are allocated: on CUDA they are pinned, and torch's
+    pinned allocator keeps a freed block cached for a request of its size, so copies still alive then would stay
+    pinned for the rest of the run beside the new ones (params and fp32 main copies: 23 GB a GPU at Qwen3-30B-A3B)."""
+    from spade_mega.megatron import offload
+
+    made: list[weakref.ref] = []
+    alive_at_allocation: list[int] = []
+    allocate = offload.host_copies
+
+    def observed(*args, **kwargs):
+        gc.collect()
+        alive_at_allocation.append(sum(ref() is not None for ref in made))
+        copies = allocate(*args, **kwargs)
+        made.extend(weakref.ref(c) for c in copies)
+        return copies
+
+    monkeypatch.setattr(offload, "host_copies", observed)
+    trainer = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", "model.params_dtype=bfloat16"]))
+    try:
+        trainer.offloader.offload()  # the run's start: parameters and fp32 main shards only
+        first = trainer.offloader.host_nbytes
+        trainer.offloader.reload()
+        trainer.train_step(make_batch(1))
+        done = trainer.offloader.offload()  # Adam's moments too: copies of another size
+        assert alive_at_allocation == [0, 0], alive_at_allocation
+        assert trainer.offloader.host_nbytes == done.copied_nbytes > first
+        trainer.offloader.reload()
+        trainer.offloader.offload()  # the same sizes: the copies are reused
+        assert len(alive_at_allocation) == 2
+    finally:
+        trainer.close()

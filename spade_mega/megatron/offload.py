@@ -13,8 +13,9 @@ of it, a gradient's ``main_grad``) is valid again after the reload; while releas
 (``untyped_storage().size()``) and the trainer refuses to run a forward or save. Device-generic: on CPU the same
 storages are released (the tests' path); Megatron-Core's own helpers (offload_grad_buffers, offload_to_cpu) cover
 only parts of this and only on CUDA. The host copies are allocated at the first offload and reused (their sizes
-change only when the optimizer first creates its state), so the host holds one copy of this rank's parameters and
-optimizer state for the run (docs/megatron.md, "Memory").
+change only when the optimizer first creates its state: the earlier copies are freed before the new ones are
+allocated), so the host holds one copy of this rank's parameters and optimizer state for the run (docs/megatron.md,
+"Memory").
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class TrainerOffload:
         sizes = [s.nbytes() for s in kept]
         flats = [_bytes_of(s) for s in kept]
         if [h.numel() for h in self._host] != sizes:
+            # the old copies freed first: torch's pinned allocator caches a freed block for a request of its size, so
+            # copies still alive now would stay pinned for the run beside the new ones
+            self._host = []
             self._host = host_copies(flats, pin=self._on_cuda)
         for host, flat in zip(self._host, flats):
             host.copy_(flat, non_blocking=True)
