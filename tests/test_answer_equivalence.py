@@ -391,6 +391,9 @@ HEDGES = [  # (scorer, reply, reference, the answer it reads, right?)
     ("boxed", "\\boxed{\\frac{1}{2}}; as a decimal, \\boxed{0.5}.", "1/2", "0.5", True),  # the same answer twice
     ("boxed", "\\boxed{2^{10}} = \\boxed{1024}", "1024", "1024", True),
     ("boxed", "\\boxed{1024} then \\boxed{1024}", "1024", "1024", True),
+    # the model's number and its equation stating it (either order): one answer, though only the equation states it
+    ("boxed", "\\boxed{25}, since \\boxed{a^2 + b^2 = 25}", "25", "a^2 + b^2 = 25", True),
+    ("boxed", "\\boxed{a^2 + b^2 = 25}, so \\boxed{25}", "25", "25", True),
     ("boxed", "\\boxed{7} and \\boxed{7", "7", None, False),  # the last box was cut off
     ("boxed", "I must put the answer in \\boxed{}. Done: \\boxed{7}", "7", "7", True),  # an empty box is none
     # a box per solution states the list: it is right against a reference listing exactly those

@@ -142,8 +142,14 @@ def _maths_answer(reply: str) -> Optional[str]:
     """The boxed scorer's answer: the one answer the reply states, or the list of the different ones it boxes
     (``a, b``), which equals only a reference that lists exactly those (MATH's "all solutions": an answer boxed per
     solution); against a single answer it is a hedge and scores 0."""
-    answers = stated_answers(reply, _same_maths)
+    answers = stated_answers(reply, _same_boxes)
     return None if answers is None else ", ".join(answers)
+
+
+def _same_boxes(one: str, other: str) -> bool:
+    """Whether two boxes of one reply state one answer: ``_same_maths`` either way round (it reads the model's
+    equation ``a^2 + b^2 = 25`` as 25, but not a reference's, so ``\\boxed{25}`` then that equation is one answer)."""
+    return _same_maths(one, other) or _same_maths(other, one)
 
 
 def normalise(answer: str) -> str:
