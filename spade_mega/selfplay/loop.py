@@ -66,7 +66,6 @@ train(r) into the engine and starts r+2 before train(r+1)::
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import random
@@ -411,7 +410,8 @@ class _Actor:
         """Start playing rollout ``r`` on the actor's thread (the loop trains on ``r - 1`` meanwhile), after taking
         the loop state as rollout ``r - 1`` left it: a stop saves that, not what ``r`` changes."""
         assert self.ahead is None and self.executor is not None  # one at a time, only with selfplay.async_rollouts
-        before = copy.deepcopy(self.state(r - 1, policy_version=0))  # the version is the loop's to fill in
+        # a snapshot: the state_dicts copy what they hold, the lists are copied, the environments are frozen records
+        before = self.state(r - 1, policy_version=0)  # the version is the loop's to fill in
         self.ahead = (r, before, self.executor.submit(self.rollout, r))
 
     def collect_ahead(self) -> "_Played":
