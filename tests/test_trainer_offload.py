@@ -289,3 +289,47 @@ def test_host_copies_are_replaced_not_doubled_when_the_optimizer_state_appears(m
         assert len(alive_at_allocation) == 2
     finally:
         trainer.close()
+
+
+HOST_OUT_OF_MEMORY = """
+import json, resource, sys, torch
+from test_trainer_offload import TINY, make_batch
+from spade_mega.config import load_config
+from spade_mega.config.errors import ConfigError
+from spade_mega.megatron import Trainer
+
+torch.set_num_threads(1)
+trainer = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", "model.vocab_size=131072"]))
+trainer.train_step(make_batch(1))
+weights = [p.detach().clone() for chunk in trainer.model for p in chunk.module.parameters()]
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+limit = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), limit[1]))  # 64 MB more address space; the copies need ~200
+try:
+    trainer.offloader.offload()
+    error = None
+except ConfigError as exc:
+    error = {"path": exc.path, "message": str(exc)}
+resource.setrlimit(resource.RLIMIT_AS, limit)
+kept = all(torch.equal(a, p) for a, p in zip(weights, (p for chunk in trainer.model for p in chunk.module.parameters())))
+trainer.train_step(make_batch(2))  # the trainer goes on, on its device
+print(json.dumps({"error": error, "offloaded": trainer.offloader.offloaded, "weights_kept": kept}))
+"""
+
+
+@pytest.mark.slow
+def test_host_memory_the_offload_cannot_get_is_a_config_error_naming_the_setting_and_the_trainer_goes_on() -> None:
+    """A node without the host memory for the copies (its address space limited here, a real allocation failure):
+    the offload names parallel.offload_trainer, the bytes needed and the way out instead of torch's allocator error
+    (on CUDA, a pinned allocation's 'CUDA error: out of memory', read as the GPU's); nothing was released."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", HOST_OUT_OF_MEMORY], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["error"] is not None and report["error"]["path"] == "parallel.offload_trainer", report
+    assert "GB of host memory" in report["error"]["message"] and "can't allocate memory" in report["error"]["message"]
+    assert "set parallel.offload_trainer false" in report["error"]["message"]
+    assert not report["offloaded"] and report["weights_kept"], report

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
+from spade_mega.config.errors import ConfigError
 from spade_mega.megatron.reference import host_copies
 
 if TYPE_CHECKING:
@@ -79,7 +80,16 @@ class TrainerOffload:
             # the old copies freed first: torch's pinned allocator caches a freed block for a request of its size, so
             # copies still alive now would stay pinned for the run beside the new ones
             self._host = []
-            self._host = host_copies(flats, pin=self._on_cuda)
+            try:
+                self._host = host_copies(flats, pin=self._on_cuda)
+            except (RuntimeError, MemoryError) as exc:  # a pinned allocation on CUDA: 'CUDA error: out of memory'
+                if not isinstance(exc, MemoryError) and "memory" not in str(exc).lower():
+                    raise
+                raise ConfigError("parallel.offload_trainer", f"this rank's trainer state needs {sum(sizes) / 1e9:.2f} "
+                                  f"GB of host memory{' (pinned)' if self._on_cuda else ''} to be offloaded, which "
+                                  f"could not be allocated ({str(exc).splitlines()[0]}); the trainer keeps it on its "
+                                  "device. Every rank of a node holds its own copy (docs/megatron.md, \"Memory\"): "
+                                  "free host memory on the nodes, or set parallel.offload_trainer false") from exc
         for host, flat in zip(self._host, flats):
             host.copy_(flat, non_blocking=True)
         self._synchronize()  # the copies are complete before their source is freed
