@@ -99,6 +99,8 @@ def test_offload_releases_every_state_storage_and_reload_restores_it_bit_for_bit
             trainer.logprobs(make_batch(2))
         with pytest.raises(RuntimeError, match="a save: the trainer's memory is offloaded"):
             trainer.save("/nonexistent")
+        with pytest.raises(RuntimeError, match="a load: the trainer's memory is offloaded"):
+            trainer.load("/nonexistent")
         assert trainer.offloader.reload() > 0 and not trainer.offloader.offloaded
         for key, value in state.items():
             want = torch.zeros_like(before[key]) if "grad_buffer" in key else before[key]
