@@ -395,3 +395,41 @@ def test_a_server_engine_generates_the_next_rollout_while_the_trainer_steps_and_
         assert not (played and event == "reload"), events
     assert events.count("reload") == 5  # the run's start, then each rollout's weights
     assert _rollout_threads() == []
+
+
+BROKEN_AHEAD = """
+import sys, threading
+from spade_mega.selfplay import loop
+play = loop._Actor.play
+def broken(self, r, transcript):
+    if r == 2:
+        raise RuntimeError(f"rollout 2 broke on the {threading.current_thread().name.split('_')[0]} thread")
+    return play(self, r, transcript)
+loop._Actor.play = broken
+from spade_mega.cli import main
+sys.exit(main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_failure_in_the_rollout_ahead_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    """Two data-parallel ranks: rank 0's rollout ahead fails while both ranks train on rollout 1; rank 0 raises it when
+    it collects the rollout and rank 1, waiting for that rollout's samples, stops naming it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "broken_ahead.py"
+    script.write_text(BROKEN_AHEAD)
+    isolation = [] if strict_missing() is None else ["sandbox.isolation=best-effort"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(ROOT / "examples" / "configs" / "tiny_learn.yaml"), f"run.output_dir={tmp_path}", "logging.progress=false",
+         "logging.tensorboard=false", *isolation, "rollout.agent_trajectories_per_env=4", "selfplay.global_batch_size=4",
+         "selfplay.num_rollouts=4", "selfplay.save_interval=4", "selfplay.async_rollouts=true"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "[rank0]: RuntimeError: rollout 2 broke on the spade-rollout thread" in proc.stderr, proc.stderr[-4000:]
+    assert "rank 0 failed, so rank 1 stops too: RuntimeError: rollout 2 broke on the spade-rollout thread" in \
+        proc.stderr
+    assert sorted(_records(tmp_path / "tiny_learn")) == [1]
