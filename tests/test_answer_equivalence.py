@@ -453,6 +453,15 @@ def test_a_pathological_answer_is_refused_without_computing_it(answer: str) -> N
     assert SCORERS["boxed"](f"\\boxed{{{answer}}}", answer)[1]  # the same text is still the same answer
 
 
+@pytest.mark.timeout(60)  # before the bound on a unit's words: 27 s for 68k characters, quadratic (~2 min here)
+def test_a_box_of_looping_words_is_scored_at_once() -> None:
+    """A degenerate reply boxes a phrase repeated to its token budget, then a number: the search for a trailing unit
+    in plain words (``2 cm``) tried every word as the start of one running to the end (a unit is a few words)."""
+    looping = "\\boxed{" + "so the answer is " * 8000 + "5}"  # 136k characters, a 32k-token reply
+    assert SCORERS["boxed"](looping, "5") == (looping[7:-1], False)
+    assert SCORERS["boxed"]("\\boxed{5 hundred thousand square feet per hour}", "500000")[1]  # the longest we read
+
+
 @pytest.mark.timeout(60)  # before the bound these 3000 boxes took ~4 h: every pair compared symbolically
 def test_a_reply_looping_through_thousands_of_boxes_is_scored_at_once() -> None:
     """A degenerate reply (an RL model's loop to its token budget) boxes thousands of different answers: only up to

@@ -544,9 +544,11 @@ class Answer:
 
 
 # a unit: \text{ cm}, \mathrm{m} (siunitx's \unit{cm} too), or plain words of two letters or more (2 cm, 3 hours: one
-# letter is a variable, 2g is 2 g), with a square or cube: \text{ cm}^2, 4 cm^2
+# letter is a variable, 2g is 2 g), with a square or cube: \text{ cm}^2, 4 cm^2. Plain words: up to 8 of up to 16
+# letters (5 hundred thousand square feet per hour; millilitres): unbounded, the search tried each word of a long
+# run as a unit's start, to the end (quadratic: 27 s for a box looping on a phrase 4000 times, 68k characters)
 _UNIT_FORM = (r"(?:\\(?:text|textnormal|textrm|mbox|mathrm|unit)\s*\{\s*([A-Za-z][A-Za-z\s]*?)\s*\}"
-              r"|(?<![\\A-Za-z])([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*))(?:\s*\^\s*(?:\{\s*([23])\s*\}|([23])))?")
+              r"|(?<![\\A-Za-z])([A-Za-z]{2,16}(?:\s+[A-Za-z]{2,16}){0,7}))(?:\s*\^\s*(?:\{\s*([23])\s*\}|([23])))?")
 _UNIT = re.compile(_UNIT_FORM + r"[\s.$]*$")  # the unit that ends an answer
 # a unit that ends an entry of a tuple, set or list: (2\text{ cm}, 3\text{ cm})
 _ENTRY_UNIT = re.compile(_UNIT_FORM + r"(?=\s*(?:,|\\right|\\\}|[)\]]|$))")
