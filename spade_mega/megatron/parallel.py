@@ -14,7 +14,7 @@ import random
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -105,10 +105,41 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           data=world_size // dense, expert_data=world_size // sparse)
 
 
+def backend_for(cuda: bool) -> str:
+    """The default group's backend, as torch's device-to-backend map: on a CUDA machine NCCL for device tensors and
+    gloo for host ones. Plain ``"nccl"`` serves CUDA tensors only, and the trainer reduces host tensors too (each
+    step's metric sums, the checkpoints' and the loop's object collectives): "No backend type associated with device
+    type cpu" at the first of them. Every group built without a backend of its own (Megatron's, ``new_group``'s
+    default) inherits the map. On CPU plain gloo: the same backend for host tensors (a "cpu:gloo" map would leave
+    torch's default backend type unset, and every collective then warned "No backend of type 0 found")."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def cuda_device(environ: Mapping[str, str], visible: int) -> int:
+    """The GPU this process uses among the ``visible`` ones, before the process group starts (NCCL binds each rank
+    to the current device): its LOCAL_RANK (torchrun; ``spade-mega launch`` exports it under srun too), else SLURM's
+    SLURM_LOCALID, else 0. With one GPU visible, that one (srun --gpus-per-task, or CUDA_VISIBLE_DEVICES set per
+    rank). A local rank past the visible GPUs is a :class:`LaunchError`: the rank would crash in CUDA, or share a GPU
+    whose NCCL communicator then fails."""
+    name = "LOCAL_RANK" if "LOCAL_RANK" in environ else "SLURM_LOCALID" if "SLURM_LOCALID" in environ else None
+    value = environ[name] if name else "0"
+    if not value.isdigit():
+        raise LaunchError(f"{name}={value!r} is not a local rank (a number from 0)")
+    local = int(value)
+    if visible == 1:
+        return 0
+    if local >= visible:
+        raise LaunchError(f"{name}={local} but this process sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                          f"{environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {visible} ranks per node "
+                          "(torchrun --nproc-per-node, srun --ntasks-per-node), one GPU each")
+    return local
+
+
 def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
-    """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL on GPU, its
-    collectives waiting up to ``parallel.collective_timeout_min`` (torch's default, NCCL's 10 minutes, is shorter than
-    the rollouts and evaluations during which the other ranks wait for rank 0).
+    """Join (or, for a plain single process, create) the default process group: gloo on CPU, NCCL for device tensors
+    and gloo for host ones on GPU (:func:`backend_for`), on this rank's GPU (:func:`cuda_device`), its collectives
+    waiting up to ``parallel.collective_timeout_min`` (torch's default, NCCL's 10 minutes, is shorter than the
+    rollouts and evaluations during which the other ranks wait for rank 0).
 
     Under torchrun (or any launcher that exports them) the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     variables are used. Several srun tasks without them are refused: each would otherwise start a world of its own.
@@ -123,9 +154,10 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
                 "MASTER_ADDR and MASTER_PORT: each task would train alone. Launch one torchrun per node under srun, "
                 "or export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID and a common "
                 "MASTER_ADDR / MASTER_PORT")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(cuda_device(os.environ, torch.cuda.device_count()))
+        backend = backend_for(cuda)
         timeout = timedelta(minutes=(parallel or ParallelConfig()).collective_timeout_min)
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)

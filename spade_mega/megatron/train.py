@@ -255,20 +255,23 @@ class Trainer:
 
     def _forward_collect(self, samples: Sequence[TrainSample], width: int,
                          values_of: Callable[[MicroBatch, torch.Tensor], torch.Tensor],
-                         route: Optional[Route] = None) -> list[torch.Tensor]:
+                         route: Optional[Route] = None, on_device: bool = True) -> list[torch.Tensor]:
         """No-grad forward of ``samples``; ``values_of(mb, logits)`` gives [L, width] values per row position,
-        returned per sample in token alignment ([n, width]; row 0, which has no prefix, is zero) on every rank."""
+        returned per sample in token alignment ([n, width]; row 0, which has no prefix, is zero) on every rank, in
+        host memory. The table is reduced ``on_device`` (NCCL on GPU: a rollout's log-probs are tens of MB, which
+        gloo would carry over TCP), else in host memory (over gloo: a table too large for the device)."""
         batch = samples_from(samples)
         self._check(batch)
         offsets = [0]
         for s in batch:
             offsets.append(offsets[-1] + len(s))
-        flat = torch.zeros(offsets[-1], width, dtype=torch.float32)
+        device = self.backend.device if on_device else torch.device("cpu")
+        flat = torch.zeros(offsets[-1], width, dtype=torch.float32, device=device)
 
         def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            values = values_of(mb, logits).reshape(mb.length, width).float().cpu()
+            values = values_of(mb, logits).reshape(mb.length, width).float().to(device)
             if mb.row_index is not None:  # a context-parallel shard: the other CP ranks write the rest of the row
-                values = values.new_zeros(mb.row_length, width).index_copy(0, mb.row_index, values)
+                values = values.new_zeros(mb.row_length, width).index_copy(0, mb.row_index.to(device), values)
             if self.reports_metrics:
                 for i, start, end in self._segments(mb):
                     # row position t predicts token t + 1: shift into token alignment
@@ -279,6 +282,7 @@ class Trainer:
             self._run_schedule(self._plan(batch).micro_batches[self._ps.get_data_parallel_rank()], collect,
                                forward_only=True, route=route)
         dist.all_reduce(flat)  # exactly one rank per sample wrote its values; the others hold zeros
+        flat = flat.cpu()
         return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(len(batch))]
 
     def logprobs(self, samples: Sequence[TrainSample], route: Optional[Route] = None) -> list[torch.Tensor]:
@@ -327,13 +331,14 @@ class Trainer:
     def logits(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         """Full-vocabulary logits [n, vocab] of every sample (row t: the distribution of token t given tokens[:t];
         row 0 is zero), gathered over tensor-parallel ranks, on every rank. For checks and conversions: it moves
-        the whole vocabulary, which the training step never does."""
+        the whole vocabulary, which the training step never does (the table, 4 bytes x vocab per token, is reduced in
+        host memory)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         def values_of(mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             return gather_from_tensor_model_parallel_region(logits)
 
-        return self._forward_collect(samples, self.model_cfg.vocab_size, values_of)
+        return self._forward_collect(samples, self.model_cfg.vocab_size, values_of, on_device=False)
 
     @staticmethod
     def _segments(mb: MicroBatch) -> Iterator[tuple[int, int, int]]:
