@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a CUDA machine that has PyTorch and Triton but no package registry (the device
-# machine). Stages, in order (STAGES="tests aot kernels train_step" by default; name fewer to run fewer):
+# machine). Stages, in order (STAGES="tests trainer aot kernels train_step" by default; name fewer to run fewer):
 #   tests       the kernel tests, compiled on the GPU                              -> tests.txt   (limit 240 s)
+#   trainer     a one-process Megatron trainer on the GPU (log-probs, a step on the distributed optimizer, a save),
+#               every collective checked against its group's backends (tests/test_nccl_devices.py; megatron-core)
+#                                                                                  -> trainer.txt (limit 180 s)
 #   aot         the sm_90 compile report of the Triton found there                 -> aot.jsonl   (limit 120 s)
 #   kernels     python -m tools.bench kernels [ARGS...]                            -> kernels.md  (limit 420 s)
 #   train_step  python -m tools.bench train_step: GRPO step and MFU (megatron-core) -> train_step.md (limit 300 s)
@@ -20,7 +23,7 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-$repo/gpu-out}
 py=${PYTHON:-python3}
 tree=${SPADE_GPU_TREE:-/tmp/spade-gpu}
-stages=" ${STAGES:-tests aot kernels train_step} "
+stages=" ${STAGES:-tests trainer aot kernels train_step} "
 deadline=$((SECONDS + ${BUDGET_S:-540}))
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -61,13 +64,20 @@ except ImportError:
 stage tests 240 tests.txt \
   "$py" -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py tests/test_kernel_tis_logprob.py \
   tests/test_kernel_grpo_advantage.py tests/test_kernel_grpo_switch.py tests/test_kernel_aot.py
+megatron=$("$py" -c "import megatron.core" 2>/dev/null && echo yes)
+if [ -n "$megatron" ]; then
+  stage trainer 180 trainer.txt "$py" -m pytest -q -p no:cacheprovider -rs tests/test_nccl_devices.py
+fi
 stage aot 120 aot.jsonl "$py" -m spade_mega.kernels.aot
 stage kernels 420 kernels.md "$py" -m tools.bench kernels "$@"
-if "$py" -c "import megatron.core" 2>/dev/null; then
+if [ -n "$megatron" ]; then
   stage train_step 300 train_step.md "$py" -m tools.bench train_step --layouts tp1 --steps 3
-elif [[ $stages == *" train_step "* ]]; then
-  echo "== train_step not run: megatron-core does not import here (make device-wheels, then carry .whl)"
-  status=1
 fi
+for name in trainer train_step; do
+  if [ -z "$megatron" ] && [[ $stages == *" $name "* ]]; then
+    echo "== $name not run: megatron-core does not import here (make device-wheels, then carry .whl)"
+    status=1
+  fi
+done
 echo "== done: results in $out (exit $status)"
 exit $status
