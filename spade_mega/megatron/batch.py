@@ -104,6 +104,8 @@ class TrainSample:
                     routing.dtype == torch.bool:
                 raise BatchError(f"{where}routing must be integer expert indices [tokens ({n}), MoE layers, top-k], "
                                  f"got {routing.dtype} of shape {tuple(routing.shape)}")
+            if routing.numel() and int(routing.min()) < 0:  # a step would take -1 for padding: the router's own choice
+                raise BatchError(f"{where}routing must be integer expert indices, each >= 0, got {int(routing.min())}")
             self.routing = routing
         if self.loss_mask[0]:
             raise BatchError(f"{where}loss_mask[0] is true, but the first token has no prefix to predict it from")

@@ -143,6 +143,15 @@ def test_routing_must_fit_its_sample() -> None:
     assert torch.equal(samples_from([routed])[0].routing, routed.routing)
 
 
+def test_negative_expert_indices_are_refused() -> None:
+    """A negative index names no expert: a step would have replayed the router's own choice for the token (-1 first,
+    what a step's gathering gives padding) or failed inside the router's gather."""
+    routing = torch.zeros(4, 2, 2, dtype=torch.int16)
+    routing[2, 1, 0] = -1
+    with pytest.raises(BatchError, match=r"sample 3: routing must be integer expert indices, each >= 0, got -1"):
+        _sample(4, routing, index=3)
+
+
 LOOP_SCRIPT = """
 import json, sys
 import torch
