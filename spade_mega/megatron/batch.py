@@ -104,7 +104,8 @@ class TrainSample:
                     routing.dtype == torch.bool:
                 raise BatchError(f"{where}routing must be integer expert indices [tokens ({n}), MoE layers, top-k], "
                                  f"got {routing.dtype} of shape {tuple(routing.shape)}")
-            if routing.numel() and int(routing.min()) < 0:  # a step would take -1 for padding: the router's own choice
+            # a step takes -1 for padding (the router's own choice); uint8, what old_policy records, holds none
+            if routing.dtype.is_signed and routing.numel() and int(routing.min()) < 0:
                 raise BatchError(f"{where}routing must be integer expert indices, each >= 0, got {int(routing.min())}")
             self.routing = routing
         if self.loss_mask[0]:
