@@ -1044,9 +1044,9 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
     server, restarts = vllm.servers[0], vllm.recoveries["server_restarts"]
     pid = server.process.pid
 
-    sent, send = [], server.request
+    sent, send = [], server.stream  # completions stream
 
-    def send_last_after_the_kill(method, path, body=None, **kwargs):  # type: ignore[no-untyped-def]
+    def send_last_after_the_kill(path, body, **kwargs):  # type: ignore[no-untyped-def]
         """The call's last request is sent only once the server is killed, so the kill lands inside the call
         (a kill from a thread of its own came after a quick call had returned, once in a CI run); it waits for the
         server to say it runs the others first (up to 120 s: a cold server's first call is slow)."""
@@ -1061,14 +1061,14 @@ def test_vllm_server_killed_mid_generate_is_restarted_with_the_current_weights(v
                         break
                     time.sleep(0.02)
                 os.kill(pid, signal.SIGKILL)
-        return send(method, path, body, **kwargs)
+        return send(path, body, **kwargs)
 
-    server.request = send_last_after_the_kill  # type: ignore[method-assign]
+    server.stream = send_last_after_the_kill  # type: ignore[method-assign]
     try:
         with caplog.at_level(logging.WARNING, logger="spade_mega.inference.server"):
             after = vllm.generate(greedy + seeded)
     finally:
-        del server.request  # the class's again
+        del server.stream  # the class's again
     assert server.process.pid != pid and vllm.recoveries["server_restarts"] == restarts + 1
     assert f"vLLM server at {server.url} (pid {pid}): it exited with status -9" in caplog.text
     assert f"with weights version {version}" in caplog.text
