@@ -301,6 +301,65 @@ def test_a_failure_in_the_rollout_ahead_stops_the_run_with_its_error(tmp_path: P
     assert _rollout_threads() == []
 
 
+def _child_processes() -> set[int]:
+    """This process's children (sandbox workers, bubblewrap), from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_failure_in_training_while_the_next_rollout_plays_stops_it_before_the_engine_and_sandbox_close(
+        tmp_path: Path) -> None:
+    """train(1) fails while rollout 2 is inside an engine call on the rollout thread: the run raises train's error,
+    the call in flight finishes, the rollout stops at its next engine call, and its thread is joined before the
+    engine and the sandbox pool are closed (no worker process left)."""
+    from spade_mega.envs.sandbox.pool import SandboxPool
+
+    train, generate, close_pool, close_engine = SelfPlay._train, HFEngine.generate, SandboxPool.close, HFEngine.close
+    in_call, failed = threading.Event(), threading.Event()
+    closed_beside: list[tuple[str, list[str]]] = []  # (what closed, the rollout threads alive then)
+
+    def held_generate(self: HFEngine, requests: Any) -> Any:
+        if threading.current_thread().name.startswith(ROLLOUT_THREAD) and not in_call.is_set():
+            in_call.set()
+            assert failed.wait(120)  # still in the call when training fails
+        return generate(self, requests)
+
+    def fails_in_train_1(self: SelfPlay, trainer: Any, samples: Any, r: int) -> Any:
+        if r == 1:
+            assert in_call.wait(120)
+            failed.set()
+            raise _Broken("train(1) broke")
+        return train(self, trainer, samples, r)
+
+    def recorded(name: str, close: Any) -> Any:
+        def wrapped(self: Any) -> None:
+            closed_beside.append((name, [t.name for t in _rollout_threads()]))
+            close(self)
+        return wrapped
+
+    before = _child_processes()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HFEngine, "generate", held_generate)
+        patch.setattr(SelfPlay, "_train", fails_in_train_1)
+        patch.setattr(SandboxPool, "close", recorded("pool", close_pool))
+        patch.setattr(HFEngine, "close", recorded("engine", close_engine))
+        with pytest.raises(_Broken, match=r"train\(1\) broke"):
+            SelfPlay(_config(tmp_path, "train_broke", "selfplay.save_interval=4")).run()
+    assert sorted(name for name, _ in closed_beside) == ["engine", "pool"]
+    assert all(alive == [] for _, alive in closed_beside), closed_beside
+    assert _rollout_threads() == []
+    assert _child_processes() <= before
+    assert not (tmp_path / "train_broke" / "metrics.jsonl").exists() or _records(tmp_path / "train_broke") == {}
+
+
 @pytest.mark.parametrize("overrides", [
     ["inference.release_memory=true", "rollout.engine=vllm"],
     ["rollout.engine=sglang"],  # colocated (placement auto) servers release their memory (auto) on a GPU machine
