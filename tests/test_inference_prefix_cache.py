@@ -327,7 +327,7 @@ def test_every_rollout_starts_and_ends_with_an_empty_prefix_cache(cfg, tmp_path)
         engine.generate([GenerationRequest(tokens(40, 1), SamplingParams(max_new_tokens=4, seed=1))])
         assert len(engine.prefix_cache) == 1  # what an evaluation leaves behind
         engine.generate = recording
-        _, metrics = actor.rollout(1)
+        metrics = actor.rollout(1).metrics
         assert len(engine.prefix_cache) == 0 and engine.prefix_cache.nbytes == 0
     finally:
         actor.close()

@@ -437,7 +437,7 @@ def test_closing_the_actor_after_a_failed_write_still_closes_its_parts(tmp_path:
     cfg = load_config(TINY, [])
     memory = EnvMemory.for_run(cfg.curriculum.memory, tmp_path)
     actor = _Actor.__new__(_Actor)  # its close() alone: what __init__ built is what it closes
-    actor.writer, actor.closing = _failing_write(cfg, tmp_path), [memory]
+    actor.writer, actor.closing, actor.executor = _failing_write(cfg, tmp_path), [memory], None
     with pytest.raises(TypeError, match="not JSON serializable"):
         actor.close()
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):

@@ -221,8 +221,8 @@ def test_the_loop_refuses_unsolvable_designs_and_counts_wins_of_shaped_rewards(t
                                                                             {good.skill: [good, useless]}))
     actor = _Actor(cfg, tmp_path / "run")
     try:
-        _, metrics = actor.rollout(1)
-        _, later = actor.rollout(2)
+        metrics = actor.rollout(1).metrics
+        later = actor.rollout(2).metrics
         memory_path = actor.memory.path
     finally:
         actor.close()
