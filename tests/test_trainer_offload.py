@@ -18,6 +18,7 @@ from test_engine_memory import make_servers  # noqa: F401  (the fixture)
 from test_run_resources import _config
 
 from spade_mega.config import load_config
+from spade_mega.bridge import export_hf, load_hf
 from spade_mega.config.errors import ConfigError
 from spade_mega.inference.hf import HFEngine
 from spade_mega.megatron import Trainer, TrainSample
@@ -101,6 +102,13 @@ def test_offload_releases_every_state_storage_and_reload_restores_it_bit_for_bit
             trainer.save("/nonexistent")
         with pytest.raises(RuntimeError, match="a load: the trainer's memory is offloaded"):
             trainer.load("/nonexistent")
+        # each of these read or wrote the released storages: a segmentation fault on CPU (a bad address on CUDA)
+        with pytest.raises(RuntimeError, match="a step: the trainer's memory is offloaded"):
+            trainer.train_step(make_batch(2))
+        with pytest.raises(RuntimeError, match="a weight export: the trainer's memory is offloaded"):
+            export_hf(trainer)
+        with pytest.raises(RuntimeError, match="a weight load: the trainer's memory is offloaded"):
+            load_hf(trainer, "/nonexistent")
         assert trainer.offloader.reload() > 0 and not trainer.offloader.offloaded
         for key, value in state.items():
             want = torch.zeros_like(before[key]) if "grad_buffer" in key else before[key]
@@ -277,9 +285,12 @@ def test_host_copies_are_replaced_not_doubled_when_the_optimizer_state_appears(m
         return copies
 
     monkeypatch.setattr(offload, "host_copies", observed)
-    trainer = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", "model.params_dtype=bfloat16"]))
+    trainer = Trainer(load_config(TINY, ["parallel.max_tokens_per_gpu=64", "model.params_dtype=bfloat16",
+                                         "rl.kl_coef=0.1"]))
     try:
         trainer.offloader.offload()  # the run's start: parameters and fp32 main shards only
+        with pytest.raises(RuntimeError, match="a reference forward: the trainer's memory is offloaded"):
+            trainer.reference_logprobs(make_batch(1))  # its capture read the released parameters (a crash)
         first = trainer.offloader.host_nbytes
         trainer.offloader.reload()
         trainer.train_step(make_batch(1))
@@ -313,7 +324,8 @@ try:
 except ConfigError as exc:
     error = {"path": exc.path, "message": str(exc)}
 resource.setrlimit(resource.RLIMIT_AS, limit)
-kept = all(torch.equal(a, p) for a, p in zip(weights, (p for chunk in trainer.model for p in chunk.module.parameters())))
+now = [p for chunk in trainer.model for p in chunk.module.parameters()]
+kept = all(torch.equal(a, p) for a, p in zip(weights, now))
 trainer.train_step(make_batch(2))  # the trainer goes on, on its device
 print(json.dumps({"error": error, "offloaded": trainer.offloader.offloaded, "weights_kept": kept}))
 """

@@ -190,6 +190,7 @@ def load_hf(trainer: "Trainer", folder: str | Path, *, progress: Optional[Callab
     ``progress(1)`` is called after each parameter of this rank is set."""
     from spade_mega.megatron.providers import hf_config_dict
 
+    trainer.offloader.check_loaded("a weight load")
     rules = rules_of(trainer)
     message = None
     try:

@@ -130,6 +130,7 @@ def export_hf(trainer: "Trainer", bucket_mb: Optional[float] = None) -> WeightSt
     Tensors are copies (a bucket does not change when training goes on), on the trainer's device, in the
     parameters' dtype. Parameters are detached rather than read under ``torch.no_grad()``: a grad-mode context held
     across a ``yield`` would be restored by whoever resumes the generator last, leaving the caller's mode switched."""
+    trainer.offloader.check_loaded("a weight export")
     mb = trainer.cfg.bridge.bucket_mb if bucket_mb is None else bucket_mb
     limit = int(mb * 2**20)
     message, shards = None, {}

@@ -8,14 +8,15 @@ distributed-optimizer shards of each chained optimizer) are first copied into ho
 into the KL reference's buckets: reference.host_copies); gradients are only freed (every step zeroes them first).
 Before the next rollout's trainer work they are reallocated and copied back, bit for bit.
 
-The tensors keep their storage objects, so every view of it (a parameter inside a DDP buffer, the optimizer's shard
-of it, a gradient's ``main_grad``) is valid again after the reload; while released, the storage's size is 0
-(``untyped_storage().size()``) and the trainer refuses to run a forward or save. Device-generic: on CPU the same
-storages are released (the tests' path); Megatron-Core's own helpers (offload_grad_buffers, offload_to_cpu) cover
-only parts of this and only on CUDA. The host copies are allocated at the first offload and reused (their sizes
-change only when the optimizer first creates its state: the earlier copies are freed before the new ones are
-allocated), so the host holds one copy of this rank's parameters and optimizer state for the run (docs/megatron.md,
-"Memory").
+The tensors keep their storage objects, so every view of it (a parameter inside a DDP buffer, the optimizer's shard of
+it, a gradient's ``main_grad``) is valid again after the reload; while released, the storage's size is 0
+(``untyped_storage().size()``) and the trainer refuses whatever would touch it (a forward or step, a save or load, a
+weight export or load): torch reads a released CPU storage at a null address (a segmentation fault). Device-generic:
+on CPU the same storages are released (the tests' path); Megatron-Core's own helpers (offload_grad_buffers,
+offload_to_cpu) cover only parts of this and only on CUDA. The host copies are allocated at the first offload and
+reused (their sizes change only when the optimizer first creates its state: the earlier copies are freed before the
+new ones are allocated), so the host holds one copy of this rank's parameters and optimizer state for the run
+(docs/megatron.md, "Memory").
 """
 
 from __future__ import annotations

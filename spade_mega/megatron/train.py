@@ -323,6 +323,7 @@ class Trainer:
         compute itself (the packing changes a row's numerics in the last bits)."""
         if self.reference is None:
             raise ConfigError("rl.kl_coef", "is 0: the trainer keeps no reference policy")
+        self.offloader.check_loaded("a reference forward")  # the swap reads and writes the parameters
         if not self.reference.ready:
             self.reference.capture()
         with self.reference.swapped_in():
@@ -368,6 +369,7 @@ class Trainer:
 
         Samples without ``old_logprobs`` get them from a no-grad forward of the current weights first; with
         ``rl.kl_coef > 0``, samples without ``ref_logprobs`` from one of the reference's."""
+        self.offloader.check_loaded("a step")
         start = time.perf_counter()
         batch = samples_from(samples)
         self._check(batch)
