@@ -460,6 +460,8 @@ def test_a_box_of_looping_words_is_scored_at_once() -> None:
     looping = "\\boxed{" + "so the answer is " * 8000 + "5}"  # 136k characters, a 32k-token reply
     assert SCORERS["boxed"](looping, "5") == (looping[7:-1], False)
     assert SCORERS["boxed"]("\\boxed{5 hundred thousand square feet per hour}", "500000")[1]  # the longest we read
+    spaced = "\\boxed{\\textbf{(E)}\\ 12" + " " * 5000 + ".}"  # an option's value, then a run of spaces (~2 min before)
+    assert SCORERS["boxed"](spaced, "12")[1] and SCORERS["boxed"](spaced, "E")[1]
 
 
 @pytest.mark.timeout(60)  # before the bound these 3000 boxes took ~4 h: every pair compared symbolically

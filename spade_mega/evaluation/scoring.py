@@ -63,9 +63,10 @@ _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands
 _VARIABLE = re.compile(r"^[A-Za-z]=")  # "x=5"
 _SUFFIXES = ("\\%", "%", "^\\circ", "^{\\circ}", "°")
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
-# "(E) 12", "\\textbf{(E)}\\ 12", "\\text{(C) } \\frac12": an option's letter, then its value
-_OPTION = re.compile(r"\s*\$?\s*(?:\\(?:textbf|text|mathrm|textrm|mathbf)\s*\{\s*)?\(\s*([A-E])\s*\)\s*\}?"
-                     r"(?:\s|\\[ ,;:]|\\q?quad|~)*(.*?)\s*\$?\s*", re.DOTALL)
+# "(E) 12", "\\textbf{(E)}\\ 12", "\\text{(C) } \\frac12": an option's letter, then its value (to the end, its trailing
+# spaces and $ stripped apart: a lazy value before \s*\$?\s* took cubic time on a run of spaces in the box)
+_OPTION = re.compile(r"\$?\s*(?:\\(?:textbf|text|mathrm|textrm|mathbf)\s*\{\s*)?\(\s*([A-E])\s*\)\s*\}?"
+                     r"(?:\s|\\[ ,;:]|\\q?quad|~)*(.*)", re.DOTALL)
 _OTHER_OPTION = re.compile(r"\(\s*[A-E]\s*\)")  # "(A) or (B)": a second option named, a hedge
 _OTHER_LABEL = re.compile(r"\(([A-J])\)|\b([A-J])\)")  # the labels in a box, spaces kept: "(A), (C)", "A) and C)"
 _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
@@ -216,9 +217,11 @@ def _option(answer: str) -> Optional[tuple[str, str]]:
     """A multiple-choice answer as AMC problems in MATH write it: (its letter, the option's value as written, or "")
     for ``(E) 12``, ``\\textbf{(E)}\\ 12``, ``\\text{(E)}``, ``E``; None for anything else, and for an answer naming
     two options (``(A) \\text{ or } (B)``, ``(A), (C)``: a hedge, not option A with a value)."""
-    found = _OPTION.fullmatch(answer)
+    found = _OPTION.fullmatch(answer.strip())
     if found is not None:
-        return None if _OTHER_OPTION.search(found.group(2)) else (found.group(1), found.group(2).strip())
+        value = found.group(2).rstrip()
+        value = value[:-1].strip() if value.endswith("$") else value.strip()
+        return None if _OTHER_OPTION.search(value) else (found.group(1), value)
     letter = _CHOICE.fullmatch(normalise(answer))
     return (letter.group(1), "") if letter is not None and letter.group(1) in "ABCDE" else None
 
