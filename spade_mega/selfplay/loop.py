@@ -49,7 +49,8 @@ train(r) into the engine and starts r+2 before train(r+1)::
   at once, without waiting for r+1 (its loop state is the one taken when r+1 started; the engine is not synced: the
   state records the version the sync would have served), then r+1 is abandoned: its next engine call raises (the
   call in flight finishes), the loop state is put back and the memory rows it wrote are dropped (its transcript is
-  written only once trained). The resumed run plays r+1 anew, after its sync.
+  written only once trained, the designer rewards it paid on earlier rollouts' evaluations once it is collected:
+  :meth:`_Actor.keep`). The resumed run plays r+1 anew, after its sync.
 - Per rollout: what the actor settles once a rollout is trained (transcript, trajectories, advantages) travels in
   the rollout's own record (:class:`_Played`), so the rollout ahead leaves it alone. The actor's other state
   (buffer, trackers, scheduler, environments, memory) is only ever changed by the one rollout playing.
@@ -73,7 +74,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
@@ -200,6 +201,10 @@ class _Played:
     transcript: RolloutTranscript
     trajectories: list[Trajectory]
     values: Optional[torch.Tensor]
+    # the designer rewards it paid, (environment, the rollout of its evaluation, reward): written to the memory once
+    # the loop keeps the rollout (_Actor.keep). They go to evaluations of earlier rollouts, which a discard after the
+    # rollout before keeps: a rollout ahead abandoned at a stop must not have written them.
+    rewards: list[tuple[str, int, float]] = field(default_factory=list)
 
 
 class _Abandoned(Exception):
@@ -346,7 +351,8 @@ class _Actor:
         metrics["time/play_s"] = time.perf_counter() - started
         released = self.buffer.release(r, self.trackers)
         transcript.released(released)
-        trajectories += self.designer_trajectories(released, metrics)
+        rewards: list[tuple[str, int, float]] = []
+        trajectories += self.designer_trajectories(released, metrics, rewards)
         if self.cfg.rl.filter_zero_std_groups:
             trajectories = self.filter_groups(r, trajectories, metrics)
         samples: list[TrainSample] = []
@@ -369,7 +375,7 @@ class _Actor:
             metrics["time/engine_release_s"] = time.perf_counter() - started
         metrics["rollout/weight_version"] = float(version)
         metrics["time/rollout_s"] = time.perf_counter() - began
-        return _Played(samples, metrics, transcript, trajectories, values)
+        return _Played(samples, metrics, transcript, trajectories, values, rewards)
 
     def filter_groups(self, r: int, trajectories: list[Trajectory], metrics: dict[str, float]) -> list[Trajectory]:
         """``rl.filter_zero_std_groups``: the agent groups whose rewards are all equal marked filtered (not trained
@@ -403,6 +409,12 @@ class _Actor:
         if played.values is not None:
             played.transcript.settle(played.trajectories, played.values, updated)
         self.writer.submit(played.transcript.write, self.run_dir)
+
+    def keep(self, played: "_Played") -> None:
+        """The rollout is the one the loop trains on next: the designer rewards it paid go to the memory (on the
+        loop's thread, no rollout playing ahead). A rollout ahead abandoned at a stop never gets here."""
+        for env_id, step, reward in played.rewards:
+            self.memory.set_designer_reward(env_id, step, reward)
 
     # --- the rollout ahead (selfplay.async_rollouts) -----------------------------------------------------------
 
@@ -654,9 +666,10 @@ class _Actor:
         metrics.update(batch.stats.metrics("perf/agent"))
         return trajectories, metrics
 
-    def designer_trajectories(self, released: Sequence[ReleasedDesignerSample],
-                              metrics: dict[str, float]) -> list[Trajectory]:
-        """The released designer samples as trajectories of their skill; their rewards go to the memory too."""
+    def designer_trajectories(self, released: Sequence[ReleasedDesignerSample], metrics: dict[str, float],
+                              rewards: list[tuple[str, int, float]]) -> list[Trajectory]:
+        """The released designer samples as trajectories of their skill; their rewards, for the memory, to
+        ``rewards`` (written by :meth:`keep`)."""
         out = []
         for item in released:
             s, reward = item.sample, item.reward
@@ -664,7 +677,7 @@ class _Actor:
                                   s.skill, valid=not reward.masked))
             # an environment whose every play without the hint broke at its regeneration has no evaluation there
             if s.metadata.get("valid") and not reward.masked and self.memory.evaluated(s.env_id, s.step):
-                self.memory.set_designer_reward(s.env_id, s.step, reward.value)
+                rewards.append((s.env_id, s.step, reward.value))
         if released:
             paid = [item.reward.value for item in released if not item.reward.masked]
             metrics["designer/released"] = float(len(released))
@@ -819,6 +832,7 @@ class SelfPlay:
                 nonlocal played
                 started = time.perf_counter()
                 played = actor.collect_ahead() if actor.ahead is not None else actor.rollout(r)
+                actor.keep(played)  # the rollout thread is idle: no rollout ahead plays yet
                 played.metrics["time/rollout_wait_s"] = time.perf_counter() - started
                 return played.samples, played.metrics
 
