@@ -129,6 +129,14 @@ def test_choice_scorer_reads_the_final_letter(reply: str, reference: str, right:
     assert SCORERS["choice"](reply, reference)[1] is right
 
 
+@pytest.mark.timeout(60)  # before: cubic in the run (1000 spaces 2 s, these 3000 ~1 min, 10000 ~40 min)
+def test_choice_scorer_reads_a_reply_with_a_long_blank_run_at_once() -> None:
+    """A degenerate reply: an answer phrase, then thousands of blanks and no letter. The phrase's three adjacent
+    whitespace runs (after 'is', after ':', before the letter) were tried in every split of the run."""
+    assert SCORERS["choice"]("The answer is" + " " * 3000 + "unclear.", "A") == (None, False)
+    assert SCORERS["choice"]("The answer is:" + "\n" * 3000 + "**(C)**", "C") == ("C", True)
+
+
 def test_exact_scorer_and_the_normalisation_pieces() -> None:
     assert SCORERS["exact"]("  Paris. ", "Paris")[1] and not SCORERS["exact"]("Lyon", "Paris")[1]
     assert SCORERS["exact"]("Answer: $x = 2$", "x=2")[1]
