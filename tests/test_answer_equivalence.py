@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spade_mega.evaluation.scoring import MAX_ANSWERS, SCORERS, boxed_answers, final_answer, stated_answers
+from spade_mega.evaluation.scoring import (MAX_ANSWERS, MAX_NESTED_BOXES, SCORERS, boxed_answers, final_answer,
+                                          stated_answers)
 from spade_mega.evaluation.symbolic import MAX_CHARS, MAX_FACTORIAL, MAX_ITEMS, expression, parse_answer
 
 SAME = [  # (answer the model boxed, reference)
@@ -422,6 +423,10 @@ def test_boxes_are_read_in_order_with_nesting_and_truncation() -> None:
     assert boxed_answers("\\boxed{\\frac{a}{\\sqrt{b}}} x \\fbox{2} \\boxed 3. \\boxed{4") == \
         ["\\frac{a}{\\sqrt{b}}", "2", "3", None]
     assert boxed_answers("\\boxed{\\boxed{5}}") == ["5"]
+    deep = "\\boxed{" * 3000 + "5" + "}" * 3000  # a degenerate loop: raised RecursionError (the eval ended)
+    assert boxed_answers(deep) == [deep[7 * (MAX_NESTED_BOXES + 1):-(MAX_NESTED_BOXES + 1)]]
+    assert [SCORERS[scorer](deep, "5")[1] for scorer in ("boxed", "choice", "exact")] == [False] * 3
+    assert boxed_answers("\\boxed{" * MAX_NESTED_BOXES + "5" + "}" * MAX_NESTED_BOXES) == ["5"]
     assert final_answer("no box. Answer: 12") == "12" and final_answer("\\boxed{1} \\boxed{2}") is None
     boxes = "\\boxed{1} \\boxed{2} \\boxed{1.0} \\boxed{}"
     assert stated_answers(boxes) == ["1", "2", "1.0"]  # as text 1 is not 1.0; each in its last box's form

@@ -59,6 +59,9 @@ def _choice_phrase(keywords: str) -> re.Pattern[str]:
 # an answer phrase wins over a later remark about an option ("Answer: A. Option B is wrong because ...")
 _CHOICE_PHRASES = (_choice_phrase("answer"), _choice_phrase("option|choice"))
 MAX_ANSWERS = 8  # different boxed answers compared with each other; beyond, they are different by their text
+# a box of a box ... is read to this depth; deeper (a degenerate loop) the rest is text: unbounded, 1000 nested boxes
+# ran out of Python's recursion limit, and the RecursionError ended the evaluation
+MAX_NESTED_BOXES = 16
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _LIST_COMMA = re.compile(r",\s")  # "1, 234": two entries; MATH writes thousands as 10,\!000
@@ -76,7 +79,12 @@ _FRACTION = re.compile(r"([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
 
 def boxed_answers(text: str) -> list[Optional[str]]:
     """The contents of every ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, in order, nested braces balanced (a box
-    inside a box is part of its content); a box never closed ends the list as None (its answer was cut off)."""
+    inside a box is part of its content; a box holding only a box is that one, to MAX_NESTED_BOXES deep); a box never
+    closed ends the list as None (its answer was cut off)."""
+    return _boxed_answers(text, MAX_NESTED_BOXES)
+
+
+def _boxed_answers(text: str, levels: int) -> list[Optional[str]]:
     found: list[Optional[str]] = []
     at = 0
     while (match := _BOX.search(text, at)) is not None:
@@ -95,7 +103,7 @@ def boxed_answers(text: str) -> list[Optional[str]]:
                 depth -= 1
                 if depth == 0:
                     content = text[open_at + 1:i]
-                    inner = boxed_answers(content) if _BOX.match(content.strip()) else []
+                    inner = _boxed_answers(content, levels - 1) if levels and _BOX.match(content.strip()) else []
                     found.append(inner[0] if len(inner) == 1 and content.strip().endswith("}") else content)
                     at = i + 1
                     break
