@@ -375,6 +375,9 @@ ONE_WAY = [  # (answer, reference, right): an equation states its right side aga
     ("25", "x^2 + y^2 = 25", False),
     ("12", "2x + 3y = 12", False),
     ("1", "\\frac{x^2}{4} + \\frac{y^2}{9} = 1", False),
+    ("5", "k + 1 = 5", False),  # a number in the left side: no assignment
+    ("5", "k - 1 = 5", False),
+    ("3", "m - n = 3", True),
     ("25", "m + n = 25", True),
     ("\\frac{7}{2}", "\\frac{m}{n} - k = 3.5", True),
 ]

@@ -698,7 +698,9 @@ def _structure(raw: str, top: bool) -> Answer:
         if not difference.free_symbols or _equal(difference, sympy.S.Zero):  # 0 = 1, x = x, x(x+1) = x^2 + x
             raise Refused("an equation that holds for every value or none")  # no relation: compared as text
         stated = right if right.is_number and right != 0 else None  # m + n = 25 states 25; x - 5 = 0 nothing
-        assigned = not left.atoms(sympy.Number) - {sympy.S.One, sympy.S.NegativeOne}  # m + n, m/n: no x^2, no 2x
+        # assigned: m + n, m - n, m/n, not x^2 + y^2, 2x + 3y, k + 1 (only -1 as a sign or reciprocal)
+        assigned = not (left.atoms(sympy.Number) - {sympy.S.NegativeOne}) and \
+            not any(term.is_number for term in sympy.Add.make_args(left))
         return Answer("eq", value=difference, stated=stated, assigned=assigned)
     if len(sides) > 2:
         raise Refused("a chain of equations")
