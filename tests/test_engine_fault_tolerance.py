@@ -46,8 +46,12 @@ from pathlib import Path
 
 
 class Emulator:
-    def __init__(self, port, events, delay=0.0, statuses=None, marker=0, hang=None, tokens=(1, 0.0)):
+    def __init__(self, port, events, delay=0.0, statuses=None, marker=0, hang=None, tokens=(1, 0.0),
+                 first_delay=0.0):
         self.events, self.delay, self.statuses, self.marker = Path(events), delay, list(statuses or []), marker
+        # the first completion waits this much longer for its token, and those sent meanwhile wait for it: a fresh
+        # server compiles, batching them
+        self.first_delay, self.compiling = first_delay, threading.Lock()
         self.hang = hang  # a threading.Event: completions stop after their first event until it is set
         self.tokens = tokens  # (n, gap): a streamed completion is its token n times, one event every gap seconds
         self.lock = threading.Lock()
@@ -147,6 +151,9 @@ class Emulator:
             self.record(f"generate {status}")
             if status != 200:
                 return status, {"error": {"message": f"emulated {status}"}}
+            with self.compiling:
+                first, self.first_delay = self.first_delay, 0.0
+                time.sleep(first)
             time.sleep(self.delay)
             token = (body["prompt"][-1] + 1 + self.marker) % 512
             return 200, {"choices": [{"token_ids": [token], "logprobs": {"token_logprobs": [-0.5]},
@@ -159,7 +166,8 @@ if __name__ == "__main__":
     if die.exists():
         print("RuntimeError: CUDA error: out of memory (emulated)", flush=True)
         sys.exit(1)
-    emulator = Emulator(port, events, delay=float(os.environ.get("EMULATOR_DELAY", "0")))
+    emulator = Emulator(port, events, delay=float(os.environ.get("EMULATOR_DELAY", "0")),
+                        first_delay=float(os.environ.get("EMULATOR_FIRST_DELAY", "0")))
     emulator.engine_death = die.with_suffix(".engine")
     emulator.record("start")
     emulator.httpd.serve_forever(poll_interval=0.05)
@@ -326,14 +334,18 @@ def test_requests_in_flight_on_an_attached_server_that_stays_away_wait_for_it_on
         engine.close()
 
 
-def _launch(model_folder: Path, tmp_path: Path, delay: float = 0.0, **kwargs: Any) -> tuple[VLLMEngine, Path, Path]:
-    """The engine over an emulator process it started itself (as launch does: same Server, same restart path)."""
+def _launch(model_folder: Path, tmp_path: Path, delay: float = 0.0, first_delay: float = 0.0,
+            **kwargs: Any) -> tuple[VLLMEngine, Path, Path]:
+    """The engine over an emulator process it started itself (as launch does: same Server, same restart path);
+    ``first_delay``: each process's first completion waits that much longer for its token (as a fresh server's
+    first completion compiles)."""
     script, events, die = tmp_path / "emulator.py", tmp_path / "events", tmp_path / "die"
     script.write_text(EMULATOR)
     port = free_port()
     server = Server.start("vLLM", [sys.executable, str(script), str(port), str(events), str(die)], port=port,
                           health_path="/health", timeout_s=30, log_path=tmp_path / "server.log",
-                          env={**os.environ, "EMULATOR_DELAY": str(delay)})
+                          env={**os.environ, "EMULATOR_DELAY": str(delay),
+                               "EMULATOR_FIRST_DELAY": str(first_delay)})
     try:
         engine = VLLMEngine([server], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=30,
                             retry_backoff_s=0.05, **kwargs)
@@ -677,8 +689,10 @@ def test_a_started_server_that_stops_making_progress_is_restarted_and_the_reques
     """SIGSTOP of the server's process group while completions are in flight (it neither answers nor dies): after
     inference.stall_timeout_s without a token its group is killed and the server restarted, the requests redone on
     it; the call returns every completion. The first token of a fresh server may take startup_timeout_s (its first
-    completion compiles), so the call made right after the restart is not cut."""
-    engine, events, _ = _launch(model_folder, tmp_path, delay=0.3, stall_timeout_s=1.5, request_timeout_s=120)
+    completion compiles): each emulator process's first completion is 3 s without a token, twice the stall timeout,
+    and is cut neither at the first start nor after the restart."""
+    engine, events, _ = _launch(model_folder, tmp_path, delay=0.3, first_delay=3.0, stall_timeout_s=1.5,
+                                request_timeout_s=120)
     try:
         assert [g.output_ids for g in engine.generate(_requests(2))] == [(11,), (12,)]  # it streamed once
         pid = engine.servers[0].process.pid
