@@ -47,13 +47,16 @@ from pathlib import Path
 
 class Emulator:
     def __init__(self, port, events, delay=0.0, statuses=None, marker=0, hang=None, tokens=(1, 0.0),
-                 first_delay=0.0):
+                 first_delay=0.0, cut_after=None, error_after=None, split_events=False):
         self.events, self.delay, self.statuses, self.marker = Path(events), delay, list(statuses or []), marker
         # the first completion waits this much longer for its token, and those sent meanwhile wait for it: a fresh
         # server compiles, batching them
         self.first_delay, self.compiling = first_delay, threading.Lock()
         self.hang = hang  # a threading.Event: completions stop after their first event until it is set
         self.tokens = tokens  # (n, gap): a streamed completion is its token n times, one event every gap seconds
+        self.cut_after = cut_after  # the first streamed completion's connection closes after that many events
+        self.error_after = error_after  # every streamed completion: an error event after that many (as vLLM's)
+        self.split_events = split_events  # each event written in two pieces, apart in time (split mid-JSON)
         self.lock = threading.Lock()
         emulator = self
 
@@ -76,10 +79,23 @@ class Emulator:
                     self.end_headers()
                     self.close_connection = True
                     count, gap = emulator.tokens
+                    with emulator.lock:
+                        cut, emulator.cut_after = emulator.cut_after, None
                     for i in range(count):
                         time.sleep(gap if i else 0.0)
-                        self.wfile.write(f"data: {json.dumps(reply)}\n\n".encode())
-                        self.wfile.flush()
+                        if i == cut:  # the server went away mid-stream: the connection closes, no [DONE]
+                            emulator.record("cut short")
+                            return
+                        if i == emulator.error_after:  # the engine failed the request once it had started
+                            self.wfile.write(b'data: {"error": {"message": "EngineGenerateError: emulated", '
+                                             b'"type": "InternalServerError", "code": 500}}\n\ndata: [DONE]\n\n')
+                            return
+                        event = f"data: {json.dumps(reply)}\n\n".encode()
+                        for piece in ((event[:20], event[20:]) if emulator.split_events else (event,)):
+                            self.wfile.write(piece)
+                            self.wfile.flush()
+                            if emulator.split_events:
+                                time.sleep(0.05)
                     if emulator.hang is not None:  # hung after its first token (a wedged engine): nothing more
                         emulator.record("hangs")
                         emulator.hang.wait()
@@ -733,5 +749,26 @@ def test_a_completion_that_streams_for_much_longer_than_the_stall_timeout_is_not
         assert time.monotonic() - started > 3.8
         assert [g.output_ids for g in out] == [(11,) * 20, (12,) * 20] and list(out[0].logprobs) == [-0.5] * 20
         assert engine.recoveries == {"request_retries": 0, "server_restarts": 0}
+    finally:
+        engine.close()
+
+
+def test_a_stream_that_ends_before_its_done_event_is_redone_whole_and_an_error_event_fails_it(model_folder,
+                                                                                                in_thread):
+    """A streamed completion is whole only at data: [DONE]. Its events may come split across reads (read whole).
+    One whose connection closes after a token (the server went away mid-stream: the events so far even carry a
+    finish reason here) is redone from the start, its tokens not kept: the call returns 3 tokens, not 1 or 4. An
+    error event after a token (vLLM's when its engine fails a started request) fails the completion naming it."""
+    emulator = in_thread(tokens=(3, 0.0), cut_after=1, split_events=True)
+    engine = VLLMEngine.attach([emulator.url], model_folder, eos_token_id=TOK.eos_token_id, startup_timeout_s=10,
+                               retry_backoff_s=0.05)
+    try:
+        out = engine.generate(_requests(1))
+        assert out[0].output_ids == (11,) * 3 and list(out[0].logprobs) == [-0.5] * 3
+        assert engine.recoveries["request_retries"] == 1
+        assert sum(e.endswith("cut short") for e in _events(emulator.events)) == 1
+        emulator.error_after = 1
+        with pytest.raises(EngineError, match=r"vLLM request 0 .*HTTP 500.*EngineGenerateError: emulated"):
+            engine.generate(_requests(1))
     finally:
         engine.close()
