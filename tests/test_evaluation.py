@@ -137,6 +137,16 @@ def test_choice_scorer_reads_a_reply_with_a_long_blank_run_at_once() -> None:
     assert SCORERS["choice"]("The answer is:" + "\n" * 3000 + "**(C)**", "C") == ("C", True)
 
 
+@pytest.mark.timeout(60)  # before: quadratic in the run (10k blanks 0.5 s, these 150k ~2 min)
+def test_an_answer_line_after_a_long_blank_run_is_read_at_once() -> None:
+    """The ``Answer: ...`` line of a reply without a box, in a degenerate reply with a long run of blanks: after
+    'answer' (no colon follows) and inside the answer's line."""
+    assert SCORERS["boxed"]("answer" + " " * 150_000 + "x", "1") == (None, False)
+    assert SCORERS["exact"]("Answer: 5" + " " * 150_000 + "x \n", "5x")[1]
+    assert SCORERS["boxed"]("Answer:\n\n  12  \nThat is all.", "12") == ("12", True)  # the line after the colon
+    assert SCORERS["exact"]("Answer: 5\nFinal answer:   \n", "5") == (" ", False)  # an empty last answer: none
+
+
 def test_exact_scorer_and_the_normalisation_pieces() -> None:
     assert SCORERS["exact"]("  Paris. ", "Paris")[1] and not SCORERS["exact"]("Lyon", "Paris")[1]
     assert SCORERS["exact"]("Answer: $x = 2$", "x=2")[1]

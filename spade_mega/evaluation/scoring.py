@@ -40,7 +40,10 @@ from typing import Callable, Optional
 
 from spade_mega.evaluation.symbolic import latex_symbols, trailing_unit, unwrap
 
-_ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*(?:is)?\s*[:：]\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+# the answer: its line from its first to its last non-blank (a blank, when only blanks follow the colon). The blank
+# runs are matched once: as (.+?)\s*$ after \s*(?:is)?\s*, a long run of blanks took quadratic time (150k: ~2 min)
+_ANSWER_LINE = re.compile(r"(?:final\s+answer|answer)\s*+(?:is)?\s*+[:：]\s*(\S(?:[^\n]*\S)?|[^\S\n])",
+                          re.IGNORECASE | re.MULTILINE)
 _CHOICE = re.compile(r"^\(?([A-J])\)?[.:]?$")
 _LABEL = re.compile(r"\(?([A-J])[).:](?=.)")  # "(C)12", "C.5.2EV" (normalised, upper case): an option's label
 
