@@ -170,8 +170,9 @@ def test_a_started_server_leaves_nothing_in_the_temporary_folder_even_killed(mon
     server = Server.start("vLLM", [sys.executable, "-c", _LITTERING_SERVER, str(port)], port=port,
                           health_path="/health", timeout_s=30)
     try:
-        runtime = server.runtime_dir
-        assert runtime is not None and runtime.parent == scratch
+        assert server.runtime is not None
+        runtime = server.runtime[0]
+        assert runtime.parent == scratch and (scratch / f"{runtime.name}.owner").exists()  # locked while we live
         litter = {p.name for p in runtime.iterdir()}
         assert "model-folder.lock" in litter and len(litter) == 2  # the server wrote into its own folder
         os.killpg(server.process.pid, signal.SIGKILL)

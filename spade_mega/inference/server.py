@@ -124,12 +124,25 @@ def _error_message(body: bytes) -> str:
     return text[:500]
 
 
-def _terminate_group(process: subprocess.Popen, grace_s: float, runtime_dir: Optional[Path] = None) -> None:
+_Runtime = tuple[Path, tuple[int, Path]]  # a started server's TMPDIR, and its owner lock (see _own_sync_root)
+
+
+def _remove_runtime(runtime: Optional[_Runtime]) -> None:
+    """The server's TMPDIR, whatever its processes left in it, then its owner lock."""
+    if runtime is None:
+        return
+    folder, (fd, lock) = runtime
+    shutil.rmtree(folder, ignore_errors=True)
+    lock.unlink(missing_ok=True)
+    os.close(fd)
+
+
+def _terminate_group(process: subprocess.Popen, grace_s: float, runtime: Optional[_Runtime] = None) -> None:
     """SIGTERM the server's process group, SIGKILL what is left of it after ``grace_s``; the group is the one we
     created for it. The whole group, even when the server itself has exited: its workers (vLLM's engine core, TP
     ranks) outlive a server that crashed or was OOM-killed. The group's id stays the server's pid while any member
-    lives (Linux reuses neither), so signalling it never reaches another process. Then ``runtime_dir`` (the
-    server's TMPDIR) goes, whatever the group left in it."""
+    lives (Linux reuses neither), so signalling it never reaches another process. Then ``runtime`` (the server's
+    TMPDIR and its lock) goes, whatever the group left in it."""
     try:
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
@@ -146,8 +159,7 @@ def _terminate_group(process: subprocess.Popen, grace_s: float, runtime_dir: Opt
                     return
                 time.sleep(0.05)
     finally:
-        if runtime_dir is not None:
-            shutil.rmtree(runtime_dir, ignore_errors=True)
+        _remove_runtime(runtime)
 
 
 _spawner: Optional[ThreadPoolExecutor] = None
@@ -196,7 +208,7 @@ class Server:
         self._argv: list[str] = []  # what was started, to start it again
         self._env: Optional[dict[str, str]] = None
         self._own_log = False
-        self.runtime_dir: Optional[Path] = None  # a started server's TMPDIR (see start)
+        self.runtime: Optional[_Runtime] = None  # a started server's TMPDIR and its owner lock (see start)
         # a server left running by an engine nobody closed still goes when the interpreter exits
         self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0) if process is not None else None
         self.incarnation = 0  # restarts so far: a request that failed on an earlier one is simply redone
@@ -220,7 +232,9 @@ class Server:
         The server's TMPDIR is a folder of its own, removed when it stops: vLLM leaves its ZMQ IPC sockets and its
         per-model-folder file locks in the temporary folder (a unix socket per request queue, a lock per weight
         folder loaded), and a killed server (kill -9, OOM) or an engine core ended by a SIGTERM removes none of them:
-        on a shared node's /tmp they piled up by the thousand."""
+        on a shared node's /tmp they piled up by the thousand. The folder is locked while this process lives, as the
+        engines' staging folders are: one left by a process killed without cleanup (SIGKILL, or SIGTERM, on which
+        Python runs none) is removed by the next server start."""
         own_log = log_path is None  # a temporary log goes with the server (errors quote its tail first)
         if log_path is None:
             handle, raw = tempfile.mkstemp(prefix=f"spade-{name.lower()}-", suffix=".log")
@@ -229,12 +243,12 @@ class Server:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         server = cls(name, f"http://127.0.0.1:{port}", None, log_path)
         server.command, server._argv, server._own_log = " ".join(command), list(command), own_log
-        server.runtime_dir = Path(tempfile.mkdtemp(prefix=f"spade-{name.lower()}-tmp-"))
-        server._env = {**(env if env is not None else os.environ), "TMPDIR": str(server.runtime_dir)}
+        server.runtime = _own_sync_root(Path(tempfile.gettempdir()), prefix=f"spade-{name.lower()}-tmp-")
+        server._env = {**(env if env is not None else os.environ), "TMPDIR": str(server.runtime[0])}
         try:
             server._spawn()
         except EngineError:
-            shutil.rmtree(server.runtime_dir, ignore_errors=True)
+            _remove_runtime(server.runtime)
             if own_log:
                 log_path.unlink(missing_ok=True)
             raise
@@ -256,7 +270,7 @@ class Server:
                 raise EngineError(f"cannot start the {self.name} server ({self._argv[0]}: {exc.strerror}); set "
                                   "inference.server_python to a Python that has it") from None
         self.process = process
-        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0, self.runtime_dir)
+        self._finalizer = weakref.finalize(self, _terminate_group, process, 15.0, self.runtime)
         log.info("started %s server (pid %d) at %s, log %s", self.name, process.pid, self.url, self.log_path)
 
     def restart(self, health_path: str, timeout_s: float, why: str) -> None:
@@ -266,9 +280,9 @@ class Server:
         _terminate_group(self.process, 5.0)  # dead or hung: no long grace
         if self._finalizer is not None:
             self._finalizer.detach()
-        if self.runtime_dir is not None:  # what the dead one left (a killed server removes nothing)
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
-            self.runtime_dir.mkdir()
+        if self.runtime is not None:  # what the dead one left (a killed server removes nothing); the lock stays
+            shutil.rmtree(self.runtime[0], ignore_errors=True)
+            self.runtime[0].mkdir()
         assert self.log_path is not None
         with open(self.log_path, "ab") as log_file:
             log_file.write(f"\n--- spade-mega restarts this server: {why} ---\n".encode())
@@ -443,8 +457,9 @@ class Server:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop a server this process started (its whole process group); an attached one is left running."""
+        runtime, self.runtime = self.runtime, None  # removed once: a second stop must not close its fd again
         if self.process is not None:
-            _terminate_group(self.process, grace_s, self.runtime_dir)
+            _terminate_group(self.process, grace_s, runtime)
         if self._finalizer is not None:
             self._finalizer.detach()
         if self._own_log and self.log_path is not None:
