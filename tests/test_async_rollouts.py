@@ -368,26 +368,9 @@ def test_an_abandoned_rollout_ahead_leaves_no_designer_reward_in_the_memory(tmp_
     rollout 1, which the memory's discard_after(1) keeps. Abandoned at a stop, it must leave that reward unwritten: the
     resumed run plays rollout 2 anew by other weights, whose reward may differ or be masked (nothing overwrites it
     then). A rollout the loop keeps writes it. (test_solvability's scripted solver and designer, real sandbox.)"""
-    from types import SimpleNamespace
+    from test_solvability import scripted_designer_actor
 
-    from test_solvability import CHECK, DESIGNER_ROOM, STAIRS, TINY, climb, solver
-
-    from spade_mega import inference
-    from spade_mega.envs.program import EnvProgram
-
-    overrides = [*CHECK, *DESIGNER_ROOM, "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
-                 "rollout.hint_plays_per_env=2", "rollout.max_response_tokens=64", "selfplay.designer_delay=1",
-                 "curriculum.active_skills=1", "selfplay.library_fallback=false", f"run.output_dir={tmp_path}",
-                 "selfplay.async_rollouts=true"]
-    if strict_missing() is not None:
-        overrides.append("sandbox.isolation=best-effort")
-    cfg = load_config(TINY, overrides)
-    good = EnvProgram(STAIRS, "Say up at every step.", "arithmetic")  # the first skill: the one active
-    useless = EnvProgram(STAIRS, "Think hard.", "arithmetic")
-    climber = SimpleNamespace(hint=good.hint, oracle=climb)
-    monkeypatch.setattr(inference, "build_engine", lambda cfg, tok: solver(cfg, tok, [climber],
-                                                                            {good.skill: [good, useless]}))
-    actor = loop._Actor(cfg, tmp_path / "run")
+    actor, good, _ = scripted_designer_actor(tmp_path, monkeypatch, "selfplay.async_rollouts=true")
 
     def rewards() -> dict[int, Any]:
         return {e.iteration: e.designer_reward for e in actor.memory.get(good.content_hash).evaluations}

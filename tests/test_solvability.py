@@ -196,6 +196,27 @@ def test_a_random_model_solves_nothing_so_programs_are_refused_at_a_bounded_cost
     assert stats.sequences == 4 and stats.engine_calls <= 2  # both programs' attempts in one batch per turn
 
 
+def scripted_designer_actor(tmp_path, monkeypatch, *extra: str):
+    """Rank 0's loop side (_Actor) with the solvability check on, its designer scripted (the tiny model writes no valid
+    program) to write a shaped-reward program with the hint that wins it (``good``) and the same program with a
+    useless hint (``useless``), played by a scripted solver in the real sandbox: (actor, good, useless)."""
+    from spade_mega import inference
+    from spade_mega.selfplay.loop import _Actor
+
+    overrides = [*CHECK, *DESIGNER_ROOM, "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
+                 "rollout.hint_plays_per_env=2", "rollout.max_response_tokens=64", "selfplay.designer_delay=1",
+                 "curriculum.active_skills=1", "selfplay.library_fallback=false", f"run.output_dir={tmp_path}", *extra]
+    if strict_missing() is not None:
+        overrides.append("sandbox.isolation=best-effort")
+    cfg = load_config(TINY, overrides)
+    good = EnvProgram(STAIRS, "Say up at every step.", "arithmetic")  # the first skill: the one active
+    useless = EnvProgram(STAIRS, "Think hard.", "arithmetic")
+    climber = SimpleNamespace(hint=good.hint, oracle=climb)
+    monkeypatch.setattr(inference, "build_engine", lambda cfg, tok: solver(cfg, tok, [climber],
+                                                                            {good.skill: [good, useless]}))
+    return _Actor(cfg, tmp_path / "run"), good, useless
+
+
 def test_the_loop_refuses_unsolvable_designs_and_counts_wins_of_shaped_rewards(tmp_path, monkeypatch,
                                                                               tokenizer) -> None:
     """Regeneration with the check on: the designer (scripted: the tiny model writes no valid program) writes a
@@ -205,21 +226,8 @@ def test_the_loop_refuses_unsolvable_designs_and_counts_wins_of_shaped_rewards(t
     enters the environment set. Its plays then count wins, not returns: alone the agent earns 0.3 (partial credit,
     no win), with the hint 0.6 (a win), so memory holds win rates 0 and 1 and regret 0.3 (mean returns), and the
     designer's plateau reads win rate 0 (mean return 0.3 would read as 'nearly right')."""
-    from spade_mega import inference
-    from spade_mega.selfplay.loop import _Actor
-
-    overrides = [*CHECK, *DESIGNER_ROOM, "rollout.envs_per_rollout=2", "rollout.agent_trajectories_per_env=2",
-                 "rollout.hint_plays_per_env=2", "rollout.max_response_tokens=64", "selfplay.designer_delay=1",
-                 "curriculum.active_skills=1", "selfplay.library_fallback=false", f"run.output_dir={tmp_path}"]
-    if strict_missing() is not None:
-        overrides.append("sandbox.isolation=best-effort")
-    cfg = load_config(TINY, overrides)
-    good = EnvProgram(STAIRS, "Say up at every step.", "arithmetic")  # the first skill: the one active
-    useless = EnvProgram(STAIRS, "Think hard.", "arithmetic")
-    climber = SimpleNamespace(hint=good.hint, oracle=climb)
-    monkeypatch.setattr(inference, "build_engine", lambda cfg, tok: solver(cfg, tok, [climber],
-                                                                            {good.skill: [good, useless]}))
-    actor = _Actor(cfg, tmp_path / "run")
+    actor, good, useless = scripted_designer_actor(tmp_path, monkeypatch)
+    cfg = actor.cfg
     try:
         metrics = actor.rollout(1).metrics
         later = actor.rollout(2).metrics
