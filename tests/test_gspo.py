@@ -325,11 +325,18 @@ def test_the_config_refuses_gspo_with_ppos_aggregation_or_clip_defaults() -> Non
     with pytest.raises(ConfigError, match="must be seq-mean-token-mean with rl.policy_loss gspo") as err:
         load_config(None, paper[:1] + paper[2:])
     assert err.value.path == "rl.loss_aggregation"
-    with pytest.raises(ConfigError, match=r"left at the PPO defaults.*rl.eps_clip_low 3e-4 and rl.eps_clip_high "
+    with pytest.raises(ConfigError, match=r"left at the PPO default 0.2 .*rl.eps_clip_low 3e-4 and rl.eps_clip_high "
                                           "4e-4") as err:
         load_config(None, paper[:2])
     assert err.value.path == "rl.eps_clip_low"
-    assert load_config(None, paper[:2] + ["rl.eps_clip_high=0.3"]).rl.eps_clip_low == 0.2  # a choice, not defaults
+    # one bound set, the other forgotten at PPO's: refused naming the forgotten one
+    with pytest.raises(ConfigError, match="left at the PPO default 0.2 ") as err:
+        load_config(None, paper[:2] + ["rl.eps_clip_high=4e-4"])
+    assert err.value.path == "rl.eps_clip_low"
+    with pytest.raises(ConfigError, match="left at the PPO default 0.28 ") as err:
+        load_config(None, paper[:3])
+    assert err.value.path == "rl.eps_clip_high"
+    assert load_config(None, paper[:2] + ["rl.eps_clip_low=0.1", "rl.eps_clip_high=0.3"]).rl.eps_clip_low == 0.1
     with pytest.raises(ConfigError) as err:
         load_config(None, ["rl.policy_loss=grpo"])
     assert err.value.path == "rl.policy_loss"

@@ -448,11 +448,13 @@ class RLConfig:
                      f"must be seq-mean-token-mean with rl.policy_loss gspo (each sample's term is its token mean, "
                      f"each sample weighs the same, as in the GSPO objective), got {self.loss_aggregation}; "
                      "examples/configs/qwen3_30b_a3b_gspo.yaml has all of GSPO's settings")
-            _require((self.eps_clip_low, self.eps_clip_high) != (0.2, 0.28), "rl.eps_clip_low",
-                     "is left at the PPO defaults (rl.eps_clip_low 0.2, rl.eps_clip_high 0.28) with rl.policy_loss "
-                     "gspo, whose per-sample ratio (a geometric mean over the tokens) stays far inside them: it would "
-                     "almost never clip. Set GSPO's own ranges, the paper's rl.eps_clip_low 3e-4 and "
-                     "rl.eps_clip_high 4e-4")
+            # one bound set and the other forgotten at PPO's is as bad on its side: a clip of 0.2 below lets the
+            # negative-advantage samples' ratio fall unclipped
+            for name, ppo in (("eps_clip_low", 0.2), ("eps_clip_high", 0.28)):
+                _require(getattr(self, name) != ppo, f"rl.{name}",
+                         f"is left at the PPO default {ppo} with rl.policy_loss gspo, whose per-sample ratio (a "
+                         "geometric mean over the tokens) stays far inside it: it would almost never clip. Set GSPO's "
+                         "own ranges, the paper's rl.eps_clip_low 3e-4 and rl.eps_clip_high 4e-4")
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
             _require(value >= 0.0, f"rl.{name}", f"must be >= 0, got {value}")

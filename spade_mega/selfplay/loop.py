@@ -285,7 +285,7 @@ class _Actor:
         try:
             if self.executor is not None:  # a rollout ahead stops at its next engine call: no thread outlives the run
                 self.abandon.set()
-                self.executor.shutdown(wait=True)
+                self.executor.shutdown(wait=True, cancel_futures=True)  # one submitted, not started: never runs
             self.writer.wait()
         finally:  # a failed transcript write (raised here) leaves no sandbox worker or engine running
             for part in reversed(self.closing):
@@ -316,10 +316,10 @@ class _Actor:
             self.set_stale = True
         discarded = self.memory.discard_after(state.rollout)
         if any(discarded.values()):
-            log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (replayed "
-                     "now)", discarded["environments"], discarded["evaluations"], state.rollout)
+            log.info("memory: discarded %d environment(s) and %d evaluation(s) written after rollout %d (played "
+                     "again from there)", discarded["environments"], discarded["evaluations"], state.rollout)
         if transcripts.discard_after(self.run_dir, state.rollout):
-            log.info("transcripts: discarded those of the rollouts after %d (replayed now)", state.rollout)
+            log.info("transcripts: discarded those of the rollouts after %d (played again from there)", state.rollout)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out scores of the weights the engine serves now (``eval/<suite>/<metric>``), and the time taken."""
