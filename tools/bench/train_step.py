@@ -3,9 +3,10 @@
     python -m tools.bench train_step [--layouts tp1 tp2_sp ep2 pp2 tp2_ep2] [--steps 5] [--samples 32]
     python tools/bench/train_step.py ...
 
-Each layout runs in its own torchrun job (gloo on CPU, NCCL on GPU) on the tiny Qwen3-MoE of the default ``model``
-section: a fixed global batch of variable-length multi-turn samples (behaviour and old log-probs given, so a step is
-forward + backward + optimizer, no extra log-prob forward), one warm-up step, then the mean of ``--steps`` steps.
+Each layout runs in its own torchrun job (gloo on CPU; on GPU NCCL, gloo for host tensors) on the tiny Qwen3-MoE of
+the default ``model`` section: a fixed global batch of variable-length multi-turn samples (behaviour and old
+log-probs given, so a step is forward + backward + optimizer, no extra log-prob forward), one warm-up step, then the
+mean of ``--steps`` steps.
 Printed against the baseline measured in the same run: the one-process layout (tp1). On CPU the processes share the
 machine's cores, so the ratios show the cost of the parallel machinery (collectives, pipeline bubbles), not a speed-up.
 
