@@ -61,6 +61,29 @@ def test_a_local_rank_without_its_gpu_is_a_launch_error(environ: dict[str, str],
     assert all(word in str(err.value) for word in words), str(err.value)
 
 
+def test_a_gpu_rank_takes_its_gpu_then_starts_the_default_group_as_the_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU run's init_distributed does, on this CPU machine: only torch's CUDA and process-group calls are
+    stood in for (none can run here), so the CPU checks above see init_distributed stop using the map or the rank's
+    GPU, or take the GPU after the group started (NCCL binds a rank to the device current when it first runs)."""
+    from spade_mega.megatron import parallel
+
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(parallel.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append(("init_process_group", str(backend))))
+    monkeypatch.setattr(parallel.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(parallel.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(parallel.torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    for key in ("SLURM_LOCALID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert parallel.init_distributed() == 8
+    assert calls == [("set_device", 5), ("init_process_group", "cpu:gloo,cuda:nccl")]
+
+
 def run_worker(tmp_path: Path, nproc: int, *overrides: str, cuda: bool) -> dict[str, Any]:
     out = tmp_path / "records.json"
     launcher = [sys.executable] if nproc == 1 else \
