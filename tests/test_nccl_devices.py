@@ -84,6 +84,25 @@ def test_a_gpu_rank_takes_its_gpu_then_starts_the_default_group_as_the_map(monke
     assert calls == [("set_device", 5), ("init_process_group", "cpu:gloo,cuda:nccl")]
 
 
+@pytest.mark.parametrize("config, ok", [("cuda:nccl", False), ("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True)])
+def test_a_default_group_started_elsewhere_must_serve_host_tensors(monkeypatch: pytest.MonkeyPatch, config: str,
+                                                                   ok: bool) -> None:
+    """A user's script that started the default group itself as plain "nccl" (common in verl/slime-style drivers)
+    would fail at the first log-prob pass with torch's "No backend type associated with device type cpu": refused
+    up front, naming the map. torch's reading of the running group is stood in for (no NCCL here)."""
+    from spade_mega.megatron import parallel
+
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(parallel.dist, "get_backend_config", lambda group=None: config)
+    if ok:
+        assert parallel.init_distributed() == 4
+    else:
+        with pytest.raises(LaunchError) as err:
+            parallel.init_distributed()
+        assert "'cuda:nccl'" in str(err.value) and "cpu:gloo,cuda:nccl" in str(err.value), str(err.value)
+
+
 def run_worker(tmp_path: Path, nproc: int, *overrides: str, cuda: bool) -> dict[str, Any]:
     out = tmp_path / "records.json"
     launcher = [sys.executable] if nproc == 1 else \

@@ -144,7 +144,8 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
     Under torchrun (or any launcher that exports them) the usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     variables are used. Several srun tasks without them are refused: each would otherwise start a world of its own.
     A plain process makes a world of one over an in-memory store: no port, and nothing exported that the processes it
-    starts would inherit. Returns the world size.
+    starts would inherit. A default group already started (by a user's own script) must serve host tensors too: plain
+    ``"nccl"`` is a :class:`LaunchError` naming the map to use. Returns the world size.
     """
     if not dist.is_initialized():
         tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
@@ -163,6 +164,12 @@ def init_distributed(parallel: Optional[ParallelConfig] = None) -> int:
             dist.init_process_group(backend, timeout=timeout)
         else:  # a world of one: an in-memory store, no port to race for and nothing exported to child processes
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif "cpu:" not in dist.get_backend_config():
+        raise LaunchError(
+            f"the default process group was started with backends {dist.get_backend_config()!r} before spade-mega's, "
+            "which have none for host tensors: the trainer's metric sums and the loop's and the checkpoints' object "
+            "collectives need one. Start it as dist.init_process_group(spade_mega.megatron.parallel.backend_for("
+            "torch.cuda.is_available())), i.e. 'cpu:gloo,cuda:nccl' on GPUs, or leave it to spade-mega")
     return dist.get_world_size()
 
 
