@@ -124,7 +124,7 @@ def main() -> None:
     from spade_mega.config.loader import apply_overrides, build, to_dict
     from spade_mega.config.schema import SpadeConfig
     from spade_mega.megatron import Trainer
-    from spade_mega.megatron.parallel import backend_for
+    from spade_mega.megatron.parallel import backend_for, shutdown
     from spade_mega.selfplay.loop import _from_rank0, _StopSignal
 
     data = to_dict(SpadeConfig())
@@ -170,6 +170,7 @@ def main() -> None:
             all(torch.isfinite(torch.tensor(v)) for k, v in result.metrics.items() if k != "grad_norm"),
             "metrics": result.metrics, "shared": shared, "stopped": stopped}))
     trainer.close()
+    shutdown()  # as every command on its way out: not an NCCL group left to the interpreter's exit (torch warns of it)
 
 
 if __name__ == "__main__":
