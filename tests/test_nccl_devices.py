@@ -84,7 +84,8 @@ def test_a_gpu_rank_takes_its_gpu_then_starts_the_default_group_as_the_map(monke
     assert calls == [("set_device", 5), ("init_process_group", "cpu:gloo,cuda:nccl")]
 
 
-@pytest.mark.parametrize("config, ok", [("cuda:nccl", False), ("cpu:gloo,cuda:nccl", True), ("cpu:gloo,cuda:gloo", True)])
+@pytest.mark.parametrize("config, ok", [("cuda:nccl", False), ("cpu:gloo,cuda:nccl", True),
+                                        ("cpu:gloo,cuda:gloo", True)])
 def test_a_default_group_started_elsewhere_must_serve_host_tensors(monkeypatch: pytest.MonkeyPatch, config: str,
                                                                    ok: bool) -> None:
     """A user's script that started the default group itself as plain "nccl" (common in verl/slime-style drivers)
