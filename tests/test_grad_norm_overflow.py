@@ -44,8 +44,8 @@ backward = trainer._run_schedule
 computed = []  # the gradients each step's backward left in the buffers, before the optimizer (whose clip scales them)
 
 
-def run_schedule(micro_batches, loss_fn, forward_only):
-    backward(micro_batches, loss_fn, forward_only)
+def run_schedule(micro_batches, loss_fn, forward_only, **route):
+    backward(micro_batches, loss_fn, forward_only, **route)
     if not forward_only:
         computed.append(grads())
 
