@@ -20,13 +20,12 @@ adds nothing, and its average is taken over the micro-batches holding samples on
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -77,7 +76,7 @@ def _released_on_failure(init: Callable[..., None]) -> Callable[..., None]:
     refused once the model and optimizer exist, a reference or routing check): a process that goes on after the
     error (a sweep, a notebook, ``spade-mega eval`` reporting it) kept its groups, model and optimizer otherwise."""
 
-    @functools.wraps(init)
+    @wraps(init)
     def build(self: "Trainer", *args: Any, **kwargs: Any) -> None:
         try:
             init(self, *args, **kwargs)
@@ -222,8 +221,6 @@ class Trainer:
                       forward_only: bool, route: Optional[Route] = None) -> None:
         """Megatron's forward(-backward) schedule over this rank's micro-batches; ``loss_fn`` runs on the last stage;
         ``route`` (routing replay) wraps each forward."""
-        from functools import partial
-
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable]:
